@@ -1,0 +1,166 @@
+"""Typed configuration, loaded from YAML and validated once.
+
+A run file has up to four sections; each role reads the ones it needs::
+
+    teacher:    TeacherConfig (teacher/config.py)  - model, dataset, vLLM engine settings
+    student:    StudentConfig (student/config.py)  - model, layer map, losses, optimizer
+    transport:  TransportConfig (here)             - endpoints, credits, heartbeats, memory bounds
+    spool:      SpoolConfig (here)                 - the safetensors fallback folder
+
+Unknown keys fail at load with their dotted name and the allowed keys (no silent typos).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration file or value that cannot be used; the message says which key and why."""
+
+
+class Strict(BaseModel):
+    """Base for every config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TransportConfig(Strict):
+    """How samples travel from teacher to students (ZeroMQ + optional shared memory)."""
+
+    # Teacher side: endpoints the teacher binds (tcp://0.0.0.0:5555 across hosts, ipc:///tmp/x on one).
+    bind: list[str] = Field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
+    # Student side: teacher endpoints to connect to (one or several teachers).
+    connect: list[str] = Field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
+    # Teacher id carried in every header; default: hostname-pid.
+    teacher_id: str | None = None
+    # Teacher memory bound: bytes of samples waiting or in flight; beyond it samples spool to disk.
+    max_buffer_bytes: int = Field(2 * GiB, gt=0)
+    # With no student connected this long after start, samples spool instead of waiting in memory.
+    connect_timeout_s: float = Field(10.0, ge=0)
+    # Each side sends a heartbeat this often.
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    # A peer silent this long is dead: its unacked samples are redelivered to another student.
+    heartbeat_timeout_s: float = Field(5.0, gt=0)
+    # Student credit window: unacked samples / bytes it may hold (memory bound on the student).
+    credit_samples: int = Field(32, gt=0)
+    credit_bytes: int = Field(1 * GiB, gt=0)
+    # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),
+    # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).
+    shm: Literal["auto", "on", "off"] = "auto"
+    # Size of the teacher's shared-memory ring (a sparse file in /dev/shm).
+    shm_bytes: int = Field(1 * GiB, gt=0)
+    shm_dir: str = "/dev/shm"
+    # Optional payload checksum carried in the header and verified by the receiver.
+    checksum: Literal["none", "crc32"] = "none"
+    # Send/receive kernel buffer sizes for tcp (0 = OS default).
+    socket_buffer_bytes: int = Field(4 * MiB, ge=0)
+
+    @field_validator("bind", "connect")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        for ep in v:
+            if not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
+        return v
+
+
+class SpoolConfig(Strict):
+    """The safetensors fallback: one file per sample in vLLM's layout."""
+
+    # Folder for spooled samples; replayed to students when credit returns.
+    dir: str = "runs/spool"
+    # Keep spool files after their sample is acknowledged (default: delete on ack).
+    keep: bool = False
+    # Stop spooling (and block the producer) beyond this many bytes on disk; 0 = no limit.
+    max_bytes: int = Field(0, ge=0)
+
+
+class RunFile(Strict):
+    """The top level of a YAML run file. Role sections are validated by their role's loader."""
+
+    teacher: dict[str, Any] | None = None
+    student: dict[str, Any] | None = None
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    spool: SpoolConfig = Field(default_factory=SpoolConfig)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        name = f"{prefix}{loc}" if prefix else loc
+        if e["type"] == "extra_forbidden":
+            # Find the model that owns the parent location to list its allowed keys.
+            owner: Any = model
+            for part in e["loc"][:-1]:
+                field = getattr(owner, "model_fields", {}).get(part)
+                ann = getattr(field, "annotation", None)
+                owner = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+                if owner is None:
+                    break
+            allowed = sorted(owner.model_fields) if owner is not None else []
+            lines.append(f"unknown key '{name}'" + (f"; allowed keys: {', '.join(allowed)}" if allowed else ""))
+        else:
+            lines.append(f"'{name}': {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def validate(model: type[M], data: Any, prefix: str = "") -> M:
+    """Validate `data` into `model`, turning pydantic's errors into one readable ConfigError."""
+    try:
+        return model.model_validate(data if data is not None else {})
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {_format_errors(e, model, prefix)}") from None
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_run_file(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> RunFile:
+    """Load and validate the top level of a run file (transport and spool sections typed)."""
+    data = load_yaml(path)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    return validate(RunFile, data)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = data
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+        if not isinstance(cur, dict):
+            raise ConfigError(f"cannot override {dotted!r}: {p!r} is not a section")
+    cur[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse a command-line override 'a.b=value' (value read as YAML: 3, true, [1,2], text)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    k, v = text.split("=", 1)
+    return k.strip(), yaml.safe_load(v)

@@ -1,0 +1,331 @@
+"""Wire protocol: one versioned multipart message per sample or control record.
+
+Layout (frames of one ZeroMQ multipart message, after any ROUTER identity frame)::
+
+    frame 0   msgpack header (a map, at most MAX_HEADER_BYTES)
+    frame 1.. one raw frame per tensor, in header order (absent for control records and for
+              samples whose bytes travel through the shared-memory ring)
+
+Sample header keys::
+
+    v       protocol version (PROTOCOL_VERSION)
+    k       message kind (SAMPLE, HELLO, ...)
+    key     sample key from the dataset (str)
+    tid     teacher id (str)
+    seq     per-teacher sequence number (int)
+    layers  teacher layer ids carried in `hidden_states` (list[int])
+    t       tensors: list of [name, dtype, shape, frame_index]
+    meta    small metadata map (str -> msgpack scalar / list / map)
+    crc     optional CRC32 of the tensor bytes, in tensor order
+    shm     optional shared-memory reference: [segment_name, [offset, ...]] (one offset per tensor)
+
+Control records (HELLO, CREDIT, ACK, HEARTBEAT, ...) carry metadata only: one frame, no tensors.
+
+Decoding is zero-copy: `torch.frombuffer` over the received frame's buffer. Nothing is ever
+unpickled; msgpack is decoded with strict limits. Every way a message can be malformed raises
+`ProtocolError` with a reason that the caller counts (see `REJECT_REASONS`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a header is metadata, never data
+MAX_NDIM = 8
+MAX_TENSORS = 64
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: anything declared larger is absurd
+
+# Message kinds. Teacher -> student: SAMPLE, WELCOME, HEARTBEAT, DRAIN, END, RESET.
+# Student -> teacher: HELLO, CREDIT, ACK, HEARTBEAT, BYE.
+SAMPLE = 1
+HELLO = 2
+WELCOME = 3
+CREDIT = 4
+ACK = 5
+HEARTBEAT = 6
+DRAIN = 7  # the teacher's input is closed and nothing waits: flush partial batches
+END = 8  # every sample of this teacher is acknowledged: the stream is over
+BYE = 9  # a student leaves cleanly; its unacked samples are redelivered at once
+RESET = 10  # the teacher does not know this peer: send HELLO again
+KINDS = {SAMPLE, HELLO, WELCOME, CREDIT, ACK, HEARTBEAT, DRAIN, END, BYE, RESET}
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "f16": torch.float16,
+    "f32": torch.float32,
+    "f64": torch.float64,
+    "i8": torch.int8,
+    "u8": torch.uint8,
+    "i16": torch.int16,
+    "i32": torch.int32,
+    "i64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+REJECT_REASONS = (
+    "garbage",  # not msgpack / not a map
+    "header_too_large",
+    "version",
+    "kind",
+    "field",  # a required field is missing or has the wrong type
+    "dtype",
+    "shape",
+    "frames",  # missing or extra frames
+    "length",  # shape x itemsize != frame length
+    "checksum",
+)
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol. `reason` is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class Sample:
+    """One teacher sample: the tensors of one request plus where it came from.
+
+    Attributes:
+        key: sample key from the dataset (unique across the run).
+        tensors: name -> tensor. vLLM's layout: `hidden_states` [num_tokens, num_layers, hidden],
+            `token_ids` [num_tokens].
+        layers: teacher layer ids, in the order of `hidden_states`' second dimension.
+        meta: small metadata map (prompt length, dataset row, ...).
+        teacher: id of the teacher that produced it.
+        seq: the teacher's sequence number (unique per teacher incarnation).
+    """
+
+    key: str
+    tensors: dict[str, torch.Tensor]
+    layers: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    teacher: str = ""
+    seq: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def num_tokens(self) -> int:
+        ids = self.tensors.get("token_ids")
+        if ids is not None:
+            return int(ids.shape[0])
+        hs = self.tensors.get("hidden_states")
+        return int(hs.shape[0]) if hs is not None else 0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ProtocolError("dtype", f"dtype {dtype} is not supported on the wire") from None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor (no copy)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor must be on the CPU to be sent, not {t.device}")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    # uint8 view keeps bf16 (which numpy lacks) exact.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def checksum(buffers: list) -> int:
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return crc
+
+
+def sample_header(sample: Sample, *, with_crc: bool = False, shm: tuple[str, list[int]] | None = None):
+    """Build the header map and the list of tensor byte views for `sample`."""
+    specs = []
+    bufs = []
+    for i, (name, t) in enumerate(sample.tensors.items()):
+        specs.append([name, dtype_name(t.dtype), list(t.shape), i + 1])
+        bufs.append(tensor_bytes(t))
+    header: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "k": SAMPLE,
+        "key": sample.key,
+        "tid": sample.teacher,
+        "seq": sample.seq,
+        "layers": list(sample.layers),
+        "t": specs,
+        "meta": sample.meta,
+    }
+    if with_crc:
+        header["crc"] = checksum(bufs)
+    if shm is not None:
+        header["shm"] = [shm[0], list(shm[1])]
+    return header, bufs
+
+
+def encode_sample(sample: Sample, *, with_crc: bool = False) -> list:
+    """Frames for `sample`: [header bytes, tensor buffer, ...] (tensor buffers are not copied)."""
+    header, bufs = sample_header(sample, with_crc=with_crc)
+    return [pack(header), *bufs]
+
+
+def pack(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def encode_control(kind: int, **fields) -> bytes:
+    if kind not in KINDS or kind == SAMPLE:
+        raise ValueError(f"not a control kind: {kind}")
+    return pack({"v": PROTOCOL_VERSION, "k": kind, **fields})
+
+
+def decode_header(frame) -> dict:
+    """Parse and check the envelope of frame 0 (version, kind). Raises ProtocolError."""
+    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    if buf.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError("header_too_large", f"{buf.nbytes} bytes > {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            buf,
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=MAX_HEADER_BYTES,
+            max_array_len=1 << 16,
+            max_map_len=1 << 12,
+        )
+    except Exception as e:  # msgpack raises many types on garbage
+        raise ProtocolError("garbage", f"header is not msgpack ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("garbage", "header is not a map")
+    v = header.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "version",
+            f"protocol version {v!r}, this side speaks {PROTOCOL_VERSION}: upgrade the older side",
+        )
+    k = header.get("k")
+    if k not in KINDS:
+        raise ProtocolError("kind", f"unknown message kind {k!r}")
+    return header
+
+
+def _check_spec(spec, nframes: int | None):
+    if not (isinstance(spec, list) and len(spec) == 4):
+        raise ProtocolError("field", "tensor spec must be [name, dtype, shape, frame]")
+    name, dt, shape, idx = spec
+    if not isinstance(name, str):
+        raise ProtocolError("field", "tensor name must be a string")
+    if dt not in DTYPES:
+        raise ProtocolError("dtype", f"unknown dtype {dt!r} for tensor {name!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise ProtocolError("shape", f"shape of {name!r} must be a list of at most {MAX_NDIM} dims")
+    numel = 1
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ProtocolError("shape", f"bad dimension {d!r} in shape of {name!r}")
+        numel *= d
+        if numel * DTYPES[dt].itemsize > MAX_TENSOR_BYTES:
+            raise ProtocolError("shape", f"declared size of {name!r} is absurd: {shape}")
+    if nframes is not None and (not isinstance(idx, int) or isinstance(idx, bool)):
+        raise ProtocolError("field", f"frame index of {name!r} must be an int")
+    return name, DTYPES[dt], shape, idx, numel * DTYPES[dt].itemsize
+
+
+def _view(buf, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)
+    import warnings
+
+    with warnings.catch_warnings():
+        # frombuffer warns on read-only buffers (received frames are); we never write to them.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _required(header: dict, name: str, typ):
+    v = header.get(name)
+    if not isinstance(v, typ) or isinstance(v, bool):
+        raise ProtocolError("field", f"field {name!r} missing or not {typ}")
+    return v
+
+
+def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
+    """Build a Sample from a checked header and its tensor frames, without copying.
+
+    Args:
+        header: the map from `decode_header` (kind SAMPLE).
+        frames: the frames after the header (zmq.Frame, bytes or memoryview).
+        shm_resolver: callable(segment_name, offset, nbytes) -> memoryview, for headers with `shm`.
+
+    Raises:
+        ProtocolError: on any mismatch between header and frames.
+    """
+    key = _required(header, "key", str)
+    tid = header.get("tid", "")
+    seq = _required(header, "seq", int)
+    layers = header.get("layers", [])
+    if not isinstance(layers, list) or not all(isinstance(x, int) for x in layers):
+        raise ProtocolError("field", "layers must be a list of ints")
+    meta = header.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ProtocolError("field", "meta must be a map")
+    specs = _required(header, "t", list)
+    if len(specs) > MAX_TENSORS:
+        raise ProtocolError("field", f"{len(specs)} tensors > {MAX_TENSORS}")
+    shm = header.get("shm")
+    tensors: dict[str, torch.Tensor] = {}
+    bufs = []
+    if shm is not None:
+        if frames:
+            raise ProtocolError("frames", f"shared-memory sample with {len(frames)} extra frames")
+        if (
+            not isinstance(shm, list)
+            or len(shm) != 2
+            or not isinstance(shm[0], str)
+            or not isinstance(shm[1], list)
+            or len(shm[1]) != len(specs)
+        ):
+            raise ProtocolError("field", "shm must be [segment, [offset per tensor]]")
+        if shm_resolver is None:
+            raise ProtocolError("field", "shared-memory sample on a connection without shared memory")
+        for spec, off in zip(specs, shm[1]):
+            name, dtype, shape, _idx, nbytes = _check_spec(spec, None)
+            if not isinstance(off, int) or off < 0:
+                raise ProtocolError("field", f"bad shm offset {off!r}")
+            try:
+                buf = shm_resolver(shm[0], off, nbytes)
+            except (OSError, ValueError) as e:
+                raise ProtocolError("field", f"shm reference not readable: {e}") from None
+            bufs.append(buf)
+            tensors[name] = _view(buf, dtype, shape)
+    else:
+        if len(frames) != len(specs):
+            raise ProtocolError("frames", f"header declares {len(specs)} tensors, got {len(frames)} frames")
+        for i, spec in enumerate(specs):
+            name, dtype, shape, idx, nbytes = _check_spec(spec, len(frames))
+            if idx != i + 1:
+                raise ProtocolError("frames", f"tensor {name!r} names frame {idx}, expected {i + 1}")
+            f = frames[i]
+            buf = memoryview(f.buffer if hasattr(f, "buffer") else f)
+            if buf.nbytes != nbytes:
+                raise ProtocolError(
+                    "length", f"tensor {name!r} {shape} {spec[1]} needs {nbytes} bytes, frame has {buf.nbytes}"
+                )
+            bufs.append(buf)
+            tensors[name] = _view(buf, dtype, shape)
+    crc = header.get("crc")
+    if crc is not None and checksum(bufs) != crc:
+        raise ProtocolError("checksum", f"payload CRC32 mismatch for sample {key!r}")
+    return Sample(key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq)

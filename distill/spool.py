@@ -1,0 +1,119 @@
+"""The safetensors fallback: one file per sample in vLLM's layout, written atomically.
+
+A spool file holds the sample's tensors (`hidden_states` [num_tokens, num_layers, hidden] and
+`token_ids` [num_tokens], as vLLM's ExampleHiddenStatesConnector writes them) and, in the
+safetensors header metadata, the sample key, teacher id, sequence number, layer ids and metadata.
+Files are written under a temporary name and renamed into place, so a reader never sees a partial
+file. `read_spool_file` also reads files written by vLLM's own connector (no metadata: the key is
+the file name), taking a shared flock on `<file>.lock` when one exists, as vLLM's reader does.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from distill.protocol import Sample
+
+SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+
+
+def spool_name(key: str) -> str:
+    """A file name for `key`: readable when the key is, unique either way."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:80]
+    digest = hashlib.blake2s(key.encode(), digest_size=6).hexdigest()
+    return f"{safe}-{digest}{SUFFIX}"
+
+
+def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
+    """Write `sample` to `directory` atomically (temporary file, fsync-free rename); return the path."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / spool_name(sample.key)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}{TMP_SUFFIX}")
+    meta = {
+        "key": sample.key,
+        "teacher": sample.teacher,
+        "seq": str(sample.seq),
+        "layers": json.dumps(list(sample.layers)),
+        "meta": json.dumps(sample.meta),
+        "format": "distill-stream/1",
+    }
+    tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return final
+
+
+def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
+    """Load one spool file (ours or vLLM's ExampleHiddenStatesConnector's) into a Sample."""
+    p = Path(path)
+    lock_path = p.with_name(p.name + ".lock")
+    fd = None
+    if lock and lock_path.exists():
+        fd = os.open(lock_path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            md = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    finally:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+    if "hidden_states" not in tensors:
+        raise ValueError(f"{p} has no 'hidden_states' tensor (keys: {sorted(tensors)}): not a hidden-state file")
+    key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
+    return Sample(
+        key=key,
+        tensors=tensors,
+        layers=json.loads(md["layers"]) if "layers" in md else [],
+        meta=json.loads(md["meta"]) if "meta" in md else {},
+        teacher=md.get("teacher", ""),
+        seq=int(md.get("seq", 0)),
+    )
+
+
+def list_spool(directory: str | os.PathLike) -> list[Path]:
+    """Complete spool files in `directory` (recursively: vLLM nests them), in name order."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.rglob(f"*{SUFFIX}") if not p.name.startswith(".") and p.is_file())
+
+
+def iter_spool(
+    directory: str | os.PathLike, *, rank: int = 0, world_size: int = 1, skip_keys=None
+) -> Iterator[Sample]:
+    """Yield the samples of a spool folder; with `world_size` > 1, rank r takes files r, r+W, ...
+
+    Raises:
+        FileNotFoundError: the folder does not exist or holds no spool file.
+    """
+    files = list_spool(directory)
+    if not files:
+        raise FileNotFoundError(
+            f"spool folder {str(directory)!r} has no *{SUFFIX} files: run the teacher first, or point "
+            "spool.dir at the folder it wrote"
+        )
+    for p in files[rank::world_size]:
+        s = read_spool_file(p)
+        if skip_keys is not None and s.key in skip_keys:
+            continue
+        yield s
+
+
+def spool_bytes(directory: str | os.PathLike) -> int:
+    return sum(p.stat().st_size for p in list_spool(directory))
