@@ -1,0 +1,152 @@
+"""The `student` section of a run file: model, layer map, losses, optimizer, run control.
+
+Validated once at load (`load_student_config`); unknown keys fail with their dotted name.
+
+Layer ids, on both sides (NOTES.md, "Layer-id convention"): 0 = embeddings, k = output of decoder
+layer k-1 (= transformers `hidden_states[k]` for k < L), L = num_hidden_layers = output of the last
+decoder layer BEFORE the final norm. transformers' own `hidden_states[L]` is after the norm; the
+student reads its pre-norm last layer with a hook, so a student id means the same thing as a
+teacher id.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from distill.config import ConfigError, RunFile, Strict, load_run_file, parse_override, validate
+
+
+class LayerPair(Strict):
+    """One distilled pair: a student layer learns to match a teacher layer."""
+
+    # Student layer id (0 = embeddings, k = after decoder layer k-1, L = last layer before final norm).
+    student_layer: int = Field(ge=0)
+    # Teacher layer id, same convention; the teacher must send it (its `layers` list).
+    teacher_layer: int = Field(ge=0)
+    # Weight of this pair in the hidden-state losses (mse, cosine, nmse).
+    weight: float = Field(1.0, ge=0)
+
+
+class LossWeights(Strict):
+    """Weight per loss term; a term with weight 0 is not computed."""
+
+    # Mean squared error between (projected) student and teacher states, per mapped pair.
+    mse: float = Field(0.0, ge=0)
+    # 1 - cosine similarity, per token, per mapped pair.
+    cosine: float = Field(0.0, ge=0)
+    # MSE after standardising each feature with the teacher's batch mean/std, per mapped pair.
+    nmse: float = Field(1.0, ge=0)
+    # KL(teacher || student) on next-token distributions; teacher logits are recomputed here from
+    # the teacher's last layer (id L) with the teacher's final norm and LM head.
+    kl: float = Field(0.0, ge=0)
+    # Cross-entropy on the next token (the plain language-modelling loss).
+    ce: float = Field(0.0, ge=0)
+
+
+class StudentConfig(Strict):
+    """Everything a student worker needs besides the transport/spool sections."""
+
+    # --- model ---
+    # Local checkpoint folder of the student (transformers save_pretrained layout) ...
+    model: str | None = None
+    # ... or a transformers config dict (with `model_type`) to train from scratch.
+    from_config: dict[str, Any] | None = None
+    # Teacher checkpoint folder: its config (hidden size, layers) and, for KL, its final norm + LM head.
+    teacher_model: str | None = None
+    # Teacher hidden size when no teacher_model is given (needed to build projections up front).
+    teacher_hidden_size: int | None = Field(None, gt=0)
+    # Layer pairs to distil.
+    layer_map: list[LayerPair] = Field(default_factory=list)
+    # auto: a learned linear projection per pair when hidden sizes differ; always: one per pair;
+    # never: hidden sizes must match (an error otherwise).
+    projection: Literal["auto", "always", "never"] = "auto"
+
+    # --- losses ---
+    losses: LossWeights = Field(default_factory=LossWeights)
+    # Softmax temperature of the KL term (the term is scaled by temperature**2, as in Hinton et al.).
+    temperature: float = Field(1.0, gt=0)
+
+    # --- batching ---
+    # Padded tokens per micro-batch per rank (batch size x longest sample); a longer sample goes alone.
+    max_tokens_per_batch: int = Field(4096, gt=0)
+    # Optional cap on samples per micro-batch.
+    max_samples_per_batch: int | None = Field(None, gt=0)
+    # A partial batch is trained once no sample arrived for this long (stream mode).
+    idle_flush_s: float = Field(1.0, gt=0)
+
+    # --- optimisation ---
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    # transformers schedule name; linear/cosine need max_steps.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    # Micro-batches per optimizer step (fewer at the end of the stream, or when every rank is idle).
+    grad_accum_steps: int = Field(1, gt=0)
+    # Gradient-norm clipping; 0 = off.
+    max_grad_norm: float = Field(1.0, ge=0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    # Stop after this many optimizer steps; None = until the teacher (or spool) is exhausted.
+    max_steps: int | None = Field(None, gt=0)
+    seed: int = 0
+
+    # --- run control ---
+    # stream: receive from the teacher (transport.connect); spool: read a spool folder.
+    mode: Literal["stream", "spool"] = "stream"
+    # Spool folder for mode=spool; default: the run file's spool.dir.
+    spool_dir: str | None = None
+    # Final model, metrics.json and tracker logs go here.
+    output_dir: str = "runs/student"
+    # Checkpoints (accelerator.save_state + ledger) every N optimizer steps; 0 = never.
+    checkpoint_every: int = Field(0, ge=0)
+    # Default: <output_dir>/checkpoints.
+    checkpoint_dir: str | None = None
+    # Resume from a checkpoint folder, or "latest" (the newest in checkpoint_dir; fresh start if none).
+    resume_from: str | None = None
+    # Log every N optimizer steps (main process).
+    log_every: int = Field(10, gt=0)
+    # Accelerate trackers, e.g. [tensorboard].
+    trackers: list[Literal["tensorboard"]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> StudentConfig:
+        if (self.model is None) == (self.from_config is None):
+            raise ValueError(
+                "set exactly one of 'model' (a checkpoint folder) or 'from_config' (a config dict)"
+            )
+        if self.from_config is not None and "model_type" not in self.from_config:
+            raise ValueError("'from_config' needs a 'model_type' (e.g. qwen3, llama)")
+        if self.losses.kl > 0 and self.teacher_model is None:
+            raise ValueError(
+                "losses.kl > 0 needs 'teacher_model' (its final norm and LM head give the logits)"
+            )
+        if self.teacher_model is None and self.teacher_hidden_size is None and self.layer_map:
+            raise ValueError("set 'teacher_model' or 'teacher_hidden_size' so projections can be built")
+        hidden_terms = self.losses.mse + self.losses.cosine + self.losses.nmse
+        if hidden_terms > 0 and not self.layer_map:
+            raise ValueError("mse/cosine/nmse weights are set but 'layer_map' is empty")
+        if hidden_terms + self.losses.kl + self.losses.ce == 0:
+            raise ValueError("every loss weight is 0: nothing to train")
+        if self.lr_schedule in ("linear", "cosine") and self.max_steps is None:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps (or use 'constant')")
+        return self
+
+    @property
+    def ckpt_dir(self) -> str:
+        return self.checkpoint_dir or f"{self.output_dir}/checkpoints"
+
+
+def load_student_config(path: str, overrides: list[str] | None = None) -> tuple[StudentConfig, RunFile]:
+    """Load a run file, apply `--set section.key=value` overrides, validate the student section.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, bad value (the message names the key).
+    """
+    pairs = dict(parse_override(o) for o in overrides or [])
+    run = load_run_file(path, pairs)
+    if run.student is None:
+        raise ConfigError(f"config file {path!r} has no 'student' section")
+    return validate(StudentConfig, run.student, prefix="student."), run

@@ -1,0 +1,290 @@
+"""From teacher Samples to padded training batches, and the two sample sources (stream, spool).
+
+A Sample carries `hidden_states` [T, n_layers, H] (layer ids in `sample.layers`) and `token_ids`
+[T]. Received tensors are zero-copy read-only views that die at `ack`, so `collate` copies what it
+needs into fresh tensors; the Sample objects themselves are only kept to be acknowledged after the
+optimizer step that used them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from distill.protocol import ProtocolError, Sample
+
+
+class StudentError(RuntimeError):
+    """A problem the user must fix (config vs. teacher mismatch, missing data); printed without traceback."""
+
+
+@dataclass
+class Batch:
+    """A padded micro-batch (right padding).
+
+    Attributes:
+        input_ids: [B, T] int64, 0 on padding.
+        mask: [B, T] bool, True on real tokens.
+        teacher: [B, T, n, H_t] float32 teacher states for the n layer ids in `layer_ids`, 0 on padding.
+        layer_ids: teacher layer ids of `teacher`'s third dimension.
+        samples: the Samples in the batch (to ack after the optimizer step; their tensors are not used).
+    """
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    teacher: torch.Tensor
+    layer_ids: list[int]
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    def to(self, device) -> Batch:
+        return Batch(
+            self.input_ids.to(device),
+            self.mask.to(device),
+            self.teacher.to(device),
+            self.layer_ids,
+            self.samples,
+        )
+
+
+def layer_index(sample: Sample, layer_ids: list[int]) -> list[int]:
+    """Positions in `sample.layers` of each wanted teacher layer id.
+
+    Raises:
+        StudentError: the sample does not carry a wanted layer.
+    """
+    have = list(sample.layers)
+    missing = [i for i in layer_ids if i not in have]
+    if missing:
+        raise StudentError(
+            f"the teacher sends layers {have} but the student needs teacher layer(s) {missing} "
+            f"(layer_map, or the last layer for the KL term): add them to the teacher's layers or "
+            f"change student.layer_map (sample {sample.key!r})"
+        )
+    return [have.index(i) for i in layer_ids]
+
+
+def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int) -> None:
+    """Raise StudentError when `sample` cannot feed this student (layers, shapes, hidden size)."""
+    hs = sample.tensors.get("hidden_states")
+    ids = sample.tensors.get("token_ids")
+    if hs is None or ids is None:
+        raise StudentError(
+            f"sample {sample.key!r} has tensors {sorted(sample.tensors)}; need 'hidden_states' and 'token_ids'"
+        )
+    if hs.dim() != 3 or ids.dim() != 1 or hs.shape[0] != ids.shape[0]:
+        raise StudentError(
+            f"sample {sample.key!r}: hidden_states {list(hs.shape)} and token_ids {list(ids.shape)} "
+            "must be [T, n_layers, H] and [T]"
+        )
+    if sample.layers and len(sample.layers) != hs.shape[1]:
+        raise StudentError(f"sample {sample.key!r}: {len(sample.layers)} layer ids for {hs.shape[1]} layers")
+    layer_index(sample, layer_ids)
+    if hs.shape[2] != hidden_size:
+        raise StudentError(
+            f"sample {sample.key!r} has teacher hidden size {hs.shape[2]}, the config says {hidden_size} "
+            "(teacher_model / teacher_hidden_size): point the student at the teacher that is running"
+        )
+
+
+def collate(samples: list[Sample], layer_ids: list[int]) -> Batch:
+    """Pad `samples` on the right into one Batch, copying the selected teacher layers as float32."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    lengths = [s.num_tokens for s in samples]
+    t_max = max(lengths)
+    hidden = samples[0].tensors["hidden_states"].shape[-1]
+    input_ids = torch.zeros(len(samples), t_max, dtype=torch.long)
+    mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
+    teacher = torch.zeros(len(samples), t_max, len(layer_ids), hidden, dtype=torch.float32)
+    for b, s in enumerate(samples):
+        n = lengths[b]
+        idx = torch.tensor(layer_index(s, layer_ids), dtype=torch.long)
+        input_ids[b, :n] = s.tensors["token_ids"].to(torch.long)  # copies
+        mask[b, :n] = True
+        teacher[b, :n] = s.tensors["hidden_states"].index_select(1, idx).to(torch.float32)  # copies
+    return Batch(input_ids, mask, teacher, list(layer_ids), list(samples))
+
+
+def empty_batch(layer_ids: list[int], hidden_size: int) -> Batch:
+    """A one-token all-padding batch: lets a rank without data take part in a collective step."""
+    return Batch(
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(1, 1, dtype=torch.bool),
+        torch.zeros(1, 1, max(len(layer_ids), 1), hidden_size),
+        list(layer_ids),
+        [],
+    )
+
+
+class TokenBudgetBatcher:
+    """Groups samples in arrival order so that batch_size x longest sample <= max_tokens.
+
+    `push` returns a full batch when the new sample does not fit (the sample then starts the next
+    batch); `flush` returns whatever is pending. A sample longer than the budget forms a batch alone.
+    """
+
+    def __init__(self, max_tokens: int, max_samples: int | None = None):
+        self.max_tokens = max_tokens
+        self.max_samples = max_samples
+        self.pending: list[Sample] = []  # samples of the batch being filled, in arrival order
+        self._longest = 0  # longest pending sample, in tokens
+
+    def _fits(self, n_tokens: int) -> bool:
+        if not self.pending:
+            return True
+        if self.max_samples is not None and len(self.pending) >= self.max_samples:
+            return False
+        return (len(self.pending) + 1) * max(self._longest, n_tokens) <= self.max_tokens
+
+    def push(self, sample: Sample) -> list[Sample] | None:
+        n = sample.num_tokens
+        ready = None
+        if not self._fits(n):
+            ready = self.flush()
+        self.pending.append(sample)
+        self._longest = max(self._longest, n)
+        return ready
+
+    @property
+    def full(self) -> bool:
+        """True when no further sample of any length can join the pending batch."""
+        if not self.pending:
+            return False
+        if self.max_samples is not None and len(self.pending) >= self.max_samples:
+            return True
+        return (len(self.pending) + 1) * self._longest > self.max_tokens
+
+    def flush(self) -> list[Sample]:
+        out, self.pending, self._longest = self.pending, [], 0
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample sources: the same small interface over a live teacher and a spool folder.
+#   get(timeout) -> Sample | None     None on timeout, or when `exhausted`
+#   exhausted                          no sample will ever come again
+#   draining                           the teacher has nothing waiting: flush partial batches now
+#   ack(samples)                       after the optimizer step that used them
+# ---------------------------------------------------------------------------------------------
+
+
+class SpoolSource:
+    """This rank's share of a spool folder (files rank, rank + W, ...), minus already-trained keys."""
+
+    def __init__(self, directory: str, rank: int, world_size: int, skip_keys: set[str]):
+        try:
+            self._it: Iterator[Sample] | None = iter_spool_checked(directory, rank, world_size, skip_keys)
+        except FileNotFoundError as e:
+            raise StudentError(str(e)) from None
+        self.exhausted = False
+        self.draining = True  # nothing will arrive later: never wait for more
+        self.wait_s = 0.0  # time spent reading files
+
+    def get(self, timeout: float = 0.0) -> Sample | None:
+        if self._it is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = None
+            self.exhausted = True
+            return None
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def ack(self, samples: list[Sample]) -> None:
+        pass  # spool files are kept: the folder is the data set
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self._it = None
+
+
+def iter_spool_checked(directory: str, rank: int, world_size: int, skip_keys: set[str]) -> Iterator[Sample]:
+    """iter_spool, with the empty-folder check done now rather than at the first `next`."""
+    from distill.spool import iter_spool, list_spool
+
+    if not list_spool(directory):
+        raise FileNotFoundError(
+            f"spool folder {directory!r} has no *.safetensors files: run the teacher with a spool first, "
+            "or point student.spool_dir (or spool.dir) at the folder it wrote"
+        )
+    return iter_spool(directory, rank=rank, world_size=world_size, skip_keys=skip_keys)
+
+
+class StreamSource:
+    """A live teacher (or several) through distill.transport.Subscriber."""
+
+    def __init__(self, transport_cfg, skip_keys: set[str]):
+        from distill.transport import Subscriber
+
+        self.sub = Subscriber(transport_cfg, skip_keys=skip_keys)
+        self.sub.start()
+        self.wait_s = 0.0  # time blocked waiting for the teacher
+
+    @property
+    def exhausted(self) -> bool:
+        return bool(self.sub.finished)
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.sub.draining)
+
+    def get(self, timeout: float = 0.0) -> Sample | None:
+        t0 = time.perf_counter()
+        try:
+            return self.sub.get(timeout=timeout)
+        except ProtocolError as e:
+            raise StudentError(protocol_message(e)) from None
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def ack(self, samples: list[Sample]) -> None:
+        if samples:
+            self.sub.ack(samples)
+
+    def stats(self) -> dict:
+        return dict(self.sub.stats())
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+def protocol_message(e: ProtocolError) -> str:
+    if getattr(e, "reason", None) == "version":
+        return f"the teacher speaks another protocol version ({e}): run teacher and students from the same release"
+    return f"the teacher sent a message this student cannot read ({e})"
+
+
+def next_micro_batch(source, batcher: TokenBudgetBatcher, idle_flush_s: float) -> list[Sample]:
+    """Fill one micro-batch from `source`; [] when nothing came within `idle_flush_s` (or at the end).
+
+    Returns as soon as the batch is full, the source is draining/exhausted, or no sample arrived
+    for `idle_flush_s` seconds (a partial batch is better than a stalled collective step).
+    """
+    last = time.monotonic()
+    while True:
+        if batcher.full:
+            return batcher.flush()
+        wait = idle_flush_s - (time.monotonic() - last)
+        if wait <= 0:
+            return batcher.flush()
+        s = source.get(timeout=min(wait, 0.05) if source.draining else min(wait, 0.2))
+        if s is None:
+            if source.exhausted or (source.draining and batcher.pending):
+                return batcher.flush()
+            continue
+        last = time.monotonic()
+        ready = batcher.push(s)
+        if ready:
+            return ready

@@ -1,0 +1,396 @@
+"""Student worker: distil a transformers causal LM from a teacher's hidden states, under Accelerate.
+
+    accelerate launch student.py --config configs/student_tiny.yaml [--set student.max_steps=50]
+    # CPU, several processes: accelerate launch --multi_gpu --num_processes 2 student.py --config ...
+
+Every rank receives its own disjoint share of samples (its own Subscriber; or files r, r+W, ... of a
+spool folder), so ranks hold different numbers of samples at different times. The loop therefore
+agrees on every step collectively: each iteration, every rank fills a micro-batch (possibly empty),
+then one small all-reduce says who has data, how many tokens, who is finished and whether anyone
+failed. A rank without data runs a zero-weight step on a one-token padding batch so DDP's gradient
+all-reduce still matches up. Samples are acknowledged to the teacher only after the optimizer step
+that used them; the ledger of trained keys is checkpointed with the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DistributedDataParallelKwargs
+from accelerate.logging import get_logger
+from accelerate.utils import gather_object, set_seed
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from distill.config import ConfigError
+from distill.protocol import ProtocolError
+from student import losses
+from student.config import StudentConfig, load_student_config
+from student.data import (
+    Batch,
+    SpoolSource,
+    StreamSource,
+    StudentError,
+    TokenBudgetBatcher,
+    check_sample,
+    collate,
+    empty_batch,
+    next_micro_batch,
+    protocol_message,
+)
+from student.ledger import Ledger
+from student.model import DistillModel, TeacherHead, load_student, teacher_config
+
+logger = get_logger(__name__)
+TERMS = ("mse", "cosine", "nmse", "kl", "ce")
+
+
+def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConfig, teacher_last: int | None):
+    """Weighted sum of the configured loss terms on one micro-batch.
+
+    Hidden-state terms are averaged over layer pairs with the pairs' weights. Returns the loss and a
+    dict of the unweighted terms (detached).
+    """
+    logits, mapped = model(batch.input_ids, batch.mask)
+    w = cfg.losses
+    pos = {lid: i for i, lid in enumerate(batch.layer_ids)}  # teacher layer id -> index in batch.teacher
+    terms: dict[str, torch.Tensor] = {}
+    pair_total = sum(p.weight for p in cfg.layer_map) or 1.0
+    for name, fn in (("mse", losses.mse), ("cosine", losses.cosine), ("nmse", losses.nmse)):
+        if getattr(w, name) > 0:
+            terms[name] = (
+                sum(
+                    p.weight * fn(h.float(), batch.teacher[:, :, pos[p.teacher_layer]], batch.mask)
+                    for p, h in zip(cfg.layer_map, mapped, strict=True)
+                )
+                / pair_total
+            )
+    if w.kl > 0:
+        teacher_logits = head(batch.teacher[:, :, pos[teacher_last]])
+        terms["kl"] = losses.kl(logits, teacher_logits, batch.mask, cfg.temperature)
+    if w.ce > 0:
+        terms["ce"] = losses.ce(logits, batch.input_ids, batch.mask)
+    loss = sum(getattr(w, k) * v for k, v in terms.items())
+    return loss, {k: v.detach() for k, v in terms.items()}
+
+
+def build_optimizer(cfg: StudentConfig, params):
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def resolve_resume(cfg: StudentConfig) -> Path | None:
+    if cfg.resume_from is None:
+        return None
+    if cfg.resume_from == "latest":
+        latest = Path(cfg.ckpt_dir) / "latest"
+        return Path(cfg.ckpt_dir) / latest.read_text().strip() if latest.is_file() else None
+    p = Path(cfg.resume_from)
+    if not p.is_dir():
+        raise StudentError(f"student.resume_from {cfg.resume_from!r} is not a checkpoint folder")
+    return p
+
+
+def training_function(cfg: StudentConfig, run, args) -> None:
+    # cpu=True on a machine without CUDA is what makes `--multi_gpu --num_processes N` join a gloo
+    # group (NOTES.md); unused parameters happen when no loss reaches the last layers or the LM head.
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=cfg.mixed_precision,
+        log_with=list(cfg.trackers) or None,
+        project_dir=cfg.output_dir,
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
+    rank, world = accelerator.process_index, accelerator.num_processes
+    set_seed(cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    ckpt_dir = Path(cfg.ckpt_dir)
+
+    # --- model: student, projections, frozen teacher head ---
+    tconf = teacher_config(cfg)
+    teacher_hidden = tconf.hidden_size if tconf is not None else cfg.teacher_hidden_size
+    teacher_last = tconf.num_hidden_layers if tconf is not None else None
+    for p in cfg.layer_map:
+        if teacher_last is not None and p.teacher_layer > teacher_last:
+            raise StudentError(
+                f"layer_map names teacher layer {p.teacher_layer}; the teacher has ids 0..{teacher_last}"
+            )
+    student = load_student(cfg)
+    model = DistillModel(
+        student, [(p.student_layer, p.teacher_layer) for p in cfg.layer_map], teacher_hidden, cfg.projection
+    )
+    head = None
+    if cfg.losses.kl > 0:
+        head = TeacherHead.from_checkpoint(cfg.teacher_model).to(accelerator.device)
+        if head.lm_head.out_features != student.config.vocab_size:
+            raise StudentError(
+                f"KL needs one vocabulary: teacher vocab {head.lm_head.out_features}, student "
+                f"{student.config.vocab_size}"
+            )
+    # Teacher layer ids every batch carries: the mapped ones, plus the last one for KL.
+    layer_ids = sorted({p.teacher_layer for p in cfg.layer_map} | ({teacher_last} if head else set()))
+
+    optimizer = build_optimizer(cfg, model.parameters())
+    scheduler = get_scheduler(
+        cfg.lr_schedule if cfg.warmup_steps == 0 or cfg.lr_schedule != "constant" else "constant_with_warmup",
+        optimizer,
+        num_warmup_steps=cfg.warmup_steps,
+        num_training_steps=cfg.max_steps or 0,
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # The scheduler is not prepared: Accelerate's wrapper steps it num_processes times per optimizer
+    # step (it assumes a sharded dataloader). We step it by hand once per step and checkpoint it.
+    ledger = Ledger()
+    accelerator.register_for_checkpointing(scheduler, ledger)
+
+    resume = resolve_resume(cfg)
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        logger.info(
+            "resumed from %s at step %d (%d samples trained)", resume, ledger.step, len(ledger.trained)
+        )
+    step = ledger.step
+    if cfg.max_steps is not None and step >= cfg.max_steps:
+        logger.info("checkpoint is already at max_steps=%d", cfg.max_steps)
+
+    if cfg.trackers:
+        accelerator.init_trackers(
+            "distill_student",
+            config={
+                "lr": cfg.lr,
+                "grad_accum_steps": cfg.grad_accum_steps,
+                "max_tokens_per_batch": cfg.max_tokens_per_batch,
+                "world_size": world,
+            },
+        )
+
+    # --- data: this rank's share of the stream or of the spool folder ---
+    trained_keys = ledger.keys()
+    if cfg.mode == "spool":
+        source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, trained_keys)
+    else:
+        try:
+            source = StreamSource(run.transport, trained_keys)
+        except ProtocolError as e:
+            raise StudentError(protocol_message(e)) from None
+    batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
+
+    # --- the loop: one iteration = one collective micro-step ---
+    pending = []  # samples whose gradients are accumulated; acked after the optimizer step
+    micro = 0  # micro-batches accumulated since the last optimizer step
+    synced = True  # was the last backward outside no_sync (gradients all-reduced)?
+    acc = torch.zeros(len(TERMS) + 3, dtype=torch.float64)  # token-weighted terms, loss, tokens, samples
+    wait_mark = source.wait_s
+    t_log, tok_log, smp_log = time.perf_counter(), 0.0, 0.0
+    bar = tqdm(
+        total=cfg.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="student"
+    )
+    stop = cfg.max_steps is not None and step >= cfg.max_steps
+    error = ""
+
+    def backward(batch: Batch, weight: float, sync: bool):
+        # DDP all-reduces gradients on a backward outside no_sync; inside, they accumulate locally.
+        ctx = contextlib.nullcontext() if sync else accelerator.no_sync(model)
+        with ctx:
+            with accelerator.autocast():
+                loss, terms = compute_loss(model, head, batch, cfg, teacher_last)
+            accelerator.backward(loss * weight)
+        return loss.detach(), terms
+
+    while not stop:
+        # 1. Every rank fills a micro-batch from its own source (empty after idle_flush_s).
+        samples = []
+        try:
+            samples = next_micro_batch(source, batcher, cfg.idle_flush_s)
+            for s in samples:
+                check_sample(s, layer_ids, teacher_hidden)
+        except StudentError as e:
+            error, samples = str(e), []
+        tokens = sum(s.num_tokens for s in samples)
+        done_here = source.exhausted and not batcher.pending
+        # 2. Agree: ranks with data, global tokens, ranks finished, ranks failed.
+        flags = torch.tensor([len(samples) > 0, tokens, done_here, bool(error)], dtype=torch.float64)
+        flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum").cpu()
+        if flags[3] > 0:
+            raise StudentError(error or "another rank stopped with an error (see its message above)")
+        any_data, global_tokens, all_done = flags[0] > 0, float(flags[1]), int(flags[2]) == world
+
+        # 3. Forward/backward. Each rank's loss is weighted by its share of the step's tokens, so
+        #    DDP's mean over ranks is the token-weighted mean; a rank without data weighs 0.
+        if any_data:
+            batch = collate(samples, layer_ids) if samples else empty_batch(layer_ids, teacher_hidden)
+            boundary = micro + 1 >= cfg.grad_accum_steps
+            weight = tokens * world / global_tokens
+            loss, terms = backward(batch.to(accelerator.device), weight, sync=boundary)
+            synced = boundary
+            micro += 1
+            pending.extend(samples)
+            for i, k in enumerate(TERMS):
+                if k in terms:
+                    acc[i] += float(terms[k]) * tokens
+            acc[len(TERMS)] += float(loss) * tokens
+            acc[len(TERMS) + 1] += tokens
+            acc[len(TERMS) + 2] += len(samples)
+
+        # 4. Optimizer step: after grad_accum_steps micro-batches, or earlier when no rank had data
+        #    (idle teacher, end of stream): holding samples unacked would starve the teacher's credit.
+        if micro and (micro >= cfg.grad_accum_steps or not any_data or all_done):
+            if not synced:  # the last backward was local: a zero-weight synced one all-reduces the sum
+                backward(empty_batch(layer_ids, teacher_hidden).to(accelerator.device), 0.0, sync=True)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(micro)  # mean over micro-batches
+            if cfg.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            # Only now may the teacher forget these samples: the step that used them is done.
+            source.ack(pending)
+            ledger.record([s.key for s in pending], rank, step)
+            pending, micro, synced = [], 0, True
+
+            # Metrics: global token-weighted means (one all-reduce per step).
+            wait = source.wait_s - wait_mark
+            wait_mark = source.wait_s
+            tot = accelerator.reduce(
+                torch.cat([acc, torch.tensor([wait])]).to(accelerator.device), "sum"
+            ).cpu()
+            n_tok = float(tot[len(TERMS) + 1]) or 1.0
+            rec = {"step": step, "loss": float(tot[len(TERMS)]) / n_tok}
+            rec.update({k: float(tot[i]) / n_tok for i, k in enumerate(TERMS) if getattr(cfg.losses, k) > 0})
+            rec.update(
+                samples=int(tot[len(TERMS) + 2]),
+                tokens=int(tot[len(TERMS) + 1]),
+                wait_s=float(tot[-1]) / world,
+                lr=scheduler.get_last_lr()[0],
+                time=time.time(),
+            )
+            ledger.history.append(rec)
+            ledger.step = step
+            acc.zero_()
+            tok_log += rec["tokens"]
+            smp_log += rec["samples"]
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}")
+            if step % cfg.log_every == 0:
+                dt = max(time.perf_counter() - t_log, 1e-9)
+                terms_txt = " ".join(f"{k}={rec[k]:.4f}" for k in TERMS if k in rec)
+                logger.info(
+                    "step %d loss=%.4f %s | %.1f samples/s %.0f tokens/s | waiting for teacher %.2fs/step",
+                    step,
+                    rec["loss"],
+                    terms_txt,
+                    smp_log / dt,
+                    tok_log / dt,
+                    rec["wait_s"],
+                )
+                t_log, tok_log, smp_log = time.perf_counter(), 0.0, 0.0
+            if cfg.trackers:
+                accelerator.log(
+                    {f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")}, step=step
+                )
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                save_checkpoint(accelerator, ledger, ckpt_dir, step)
+            if cfg.max_steps is not None and step >= cfg.max_steps:
+                break
+        if all_done:
+            break
+    bar.close()
+
+    # --- the end: unacked samples go back to the teacher, the student is saved ---
+    source.close()
+    ledger.merge(flatten(gather_object([ledger.local])))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final = out_dir / "model"
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.student.save_pretrained(final)
+        unwrapped.save_projections(final)
+        copy_tokenizer(cfg, final)
+        write_metrics(out_dir / "metrics.json", ledger, world, source.stats())
+        logger.info("saved the student to %s (%d steps, %d samples)", final, step, len(ledger.trained))
+    accelerator.end_training()
+
+
+def flatten(gathered: list) -> list:
+    """gather_object([entries]) returns one entry list per rank; concatenate them."""
+    return [e for per_rank in gathered for e in per_rank]
+
+
+def save_checkpoint(accelerator: Accelerator, ledger: Ledger, ckpt_dir: Path, step: int) -> None:
+    """save_state (model, optimizer, RNG, scheduler, ledger), then point `latest` at it atomically."""
+    ledger.merge(flatten(gather_object([ledger.local])))  # every rank now holds every rank's keys
+    path = ckpt_dir / f"step_{step:07d}"
+    accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        tmp = ckpt_dir / ".latest.tmp"
+        tmp.write_text(path.name)
+        os.replace(tmp, ckpt_dir / "latest")
+        logger.info("checkpoint %s (%d samples in the ledger)", path, len(ledger.trained))
+    accelerator.wait_for_everyone()
+
+
+def copy_tokenizer(cfg: StudentConfig, dest: Path) -> None:
+    """Copy tokenizer files from the student checkpoint, else the teacher's (ids come from it)."""
+    for src in (cfg.model, cfg.teacher_model):
+        if src is None:
+            continue
+        files = [
+            p
+            for p in Path(src).glob("*")
+            if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))
+        ]
+        if files:
+            for p in files:
+                shutil.copy(p, dest / p.name)
+            return
+
+
+def write_metrics(path: Path, ledger: Ledger, world: int, source_stats: dict) -> None:
+    hist = ledger.history
+    first = [h["loss"] for h in hist[: max(1, len(hist) // 10)]]
+    last = [h["loss"] for h in hist[-max(1, len(hist) // 10) :]]
+    summary = {
+        "steps": ledger.step,
+        "samples": len(ledger.trained),
+        "tokens": sum(h["tokens"] for h in hist),
+        "wait_s": sum(h["wait_s"] for h in hist),
+        "loss_first": sum(first) / len(first) if hist else math.nan,
+        "loss_last": sum(last) / len(last) if hist else math.nan,
+        "world_size": world,
+        "source_stats_rank0": source_stats,
+    }
+    data = {"summary": summary, "steps": hist, "trained": ledger.trained}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Distillation student (run under `accelerate launch`).")
+    parser.add_argument("--config", required=True, help="run file (YAML) with a student section")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. student.lr=3e-4"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        cfg, run = load_student_config(args.config, args.set)
+        training_function(cfg, run, args)
+    except (ConfigError, StudentError) as e:
+        print(f"student error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
