@@ -49,7 +49,7 @@ class TransportConfig(Strict):
     # Each side sends a heartbeat this often.
     heartbeat_interval_s: float = Field(0.5, gt=0)
     # A peer silent this long is dead: its unacked samples are redelivered to another student.
-    heartbeat_timeout_s: float = Field(5.0, gt=0)
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
     # Student credit window: unacked samples / bytes it may hold (memory bound on the student).
     credit_samples: int = Field(32, gt=0)
     credit_bytes: int = Field(1 * GiB, gt=0)
@@ -111,7 +111,9 @@ def _format_errors(err: ValidationError, model: type[BaseModel], prefix: str) ->
                 if owner is None:
                     break
             allowed = sorted(owner.model_fields) if owner is not None else []
-            lines.append(f"unknown key '{name}'" + (f"; allowed keys: {', '.join(allowed)}" if allowed else ""))
+            lines.append(
+                f"unknown key '{name}'" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
+            )
         else:
             lines.append(f"'{name}': {e['msg']} (got {e.get('input')!r})")
     return "; ".join(lines)

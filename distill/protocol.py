@@ -201,7 +201,6 @@ def decode_header(frame) -> dict:
             buf,
             raw=False,
             strict_map_key=True,
-            max_buffer_size=MAX_HEADER_BYTES,
             max_array_len=1 << 16,
             max_map_len=1 << 12,
         )
@@ -300,7 +299,7 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
             raise ProtocolError("field", "shm must be [segment, [offset per tensor]]")
         if shm_resolver is None:
             raise ProtocolError("field", "shared-memory sample on a connection without shared memory")
-        for spec, off in zip(specs, shm[1]):
+        for spec, off in zip(specs, shm[1], strict=True):
             name, dtype, shape, _idx, nbytes = _check_spec(spec, None)
             if not isinstance(off, int) or off < 0:
                 raise ProtocolError("field", f"bad shm offset {off!r}")
@@ -321,7 +320,8 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
             buf = memoryview(f.buffer if hasattr(f, "buffer") else f)
             if buf.nbytes != nbytes:
                 raise ProtocolError(
-                    "length", f"tensor {name!r} {shape} {spec[1]} needs {nbytes} bytes, frame has {buf.nbytes}"
+                    "length",
+                    f"tensor {name!r} {shape} {spec[1]} needs {nbytes} bytes, frame has {buf.nbytes}",
                 )
             bufs.append(buf)
             tensors[name] = _view(buf, dtype, shape)

@@ -74,7 +74,9 @@ def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
     if "hidden_states" not in tensors:
-        raise ValueError(f"{p} has no 'hidden_states' tensor (keys: {sorted(tensors)}): not a hidden-state file")
+        raise ValueError(
+            f"{p} has no 'hidden_states' tensor (keys: {sorted(tensors)}): not a hidden-state file"
+        )
     key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
     return Sample(
         key=key,

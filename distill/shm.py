@@ -1,0 +1,133 @@
+"""Same-host data path: a ring of slots in a shared-memory file that the teacher writes once and
+students map read-only.
+
+The teacher owns one `ShmRing` (a sparse file under /dev/shm). A sample's tensors are copied into
+one slot; the ZeroMQ message then carries only the header with `shm = [segment, [offsets]]`. A
+student maps the segment once (`ShmReader`) and decodes tensors as zero-copy views. A slot is freed
+when the sample is acknowledged, so a view stays valid until the student acks.
+
+Whether a student can use the ring is found out, not assumed: the teacher sends the segment path
+and a random nonce (written at offset 0) in WELCOME; the student maps the file and compares the
+nonce. A student on another host cannot open the file (or reads another nonce) and gets frames.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import secrets
+import threading
+from pathlib import Path
+
+ALIGN = 4096  # slots start on page boundaries (also keeps every dtype aligned)
+HEADER = ALIGN  # first page: the nonce
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class ShmRing:
+    """A first-fit allocator over one shared-memory file (teacher side)."""
+
+    def __init__(self, directory: str, name: str, size: int):
+        self.path = Path(directory) / name
+        self.size = _round_up(size) + HEADER
+        self.nonce = secrets.token_hex(16)
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, self.size)  # sparse: pages cost memory only once written
+            self._mm = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self._mm[: len(self.nonce)] = self.nonce.encode()
+        self.view = memoryview(self._mm)
+        # Free list of (offset, length), sorted by offset, coalesced on free.
+        self._free: list[tuple[int, int]] = [(HEADER, self.size - HEADER)]
+        self._used: dict[int, int] = {}  # offset -> length of allocated slot
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._used.values())
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free slot of at least `nbytes`, or None when the ring has no room."""
+        need = _round_up(max(nbytes, 1))
+        with self._lock:
+            for i, (off, length) in enumerate(self._free):
+                if length >= need:
+                    if length == need:
+                        self._free.pop(i)
+                    else:
+                        self._free[i] = (off + need, length - need)
+                    self._used[off] = need
+                    return off
+        return None
+
+    def free(self, off: int) -> None:
+        with self._lock:
+            length = self._used.pop(off)
+            i = bisect.bisect_left(self._free, (off, 0))
+            self._free.insert(i, (off, length))
+            # Coalesce with the next and previous free ranges.
+            if i + 1 < len(self._free) and off + length == self._free[i + 1][0]:
+                self._free[i] = (off, length + self._free[i + 1][1])
+                self._free.pop(i + 1)
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+                self._free.pop(i)
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with the process
+        self.path.unlink(missing_ok=True)
+
+
+class ShmReader:
+    """Read-only mappings of teachers' rings (student side)."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
+
+    def attach(self, path: str, nonce: str) -> bool:
+        """Map `path` if it holds `nonce`; False if this host cannot see that ring."""
+        if path in self._maps:
+            return True
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return False
+        finally:
+            os.close(fd)
+        if mm[: len(nonce)] != nonce.encode():
+            mm.close()
+            return False
+        self._maps[path] = (mm, memoryview(mm))
+        return True
+
+    def resolve(self, path: str, off: int, nbytes: int) -> memoryview:
+        entry = self._maps.get(path)
+        if entry is None:
+            raise ValueError(f"segment {path!r} is not mapped")
+        mm, view = entry
+        if off < HEADER or off + nbytes > len(mm):
+            raise ValueError(f"slot [{off}, {off + nbytes}) outside segment of {len(mm)} bytes")
+        return view[off : off + nbytes]
+
+    def close(self) -> None:
+        for mm, view in self._maps.values():
+            try:
+                view.release()
+                mm.close()
+            except BufferError:
+                pass
+        self._maps.clear()
