@@ -226,10 +226,14 @@ class StreamSource:
     """A live teacher (or several) through distill.transport.Subscriber."""
 
     def __init__(self, transport_cfg, skip_keys: set[str]):
-        from distill.transport import Subscriber
+        from distill.transport import Subscriber, TransportError
 
-        self.sub = Subscriber(transport_cfg, skip_keys=skip_keys)
-        self.sub.start()
+        self._errors = (ProtocolError, TransportError)  # both end the run with a clear message
+        try:
+            self.sub = Subscriber(transport_cfg, skip_keys=skip_keys)
+            self.sub.start()
+        except self._errors as e:
+            raise StudentError(transport_message(e)) from None
         self.wait_s = 0.0  # time blocked waiting for the teacher
 
     @property
@@ -244,8 +248,8 @@ class StreamSource:
         t0 = time.perf_counter()
         try:
             return self.sub.get(timeout=timeout)
-        except ProtocolError as e:
-            raise StudentError(protocol_message(e)) from None
+        except self._errors as e:
+            raise StudentError(transport_message(e)) from None
         finally:
             self.wait_s += time.perf_counter() - t0
 
@@ -260,10 +264,11 @@ class StreamSource:
         self.sub.close()
 
 
-def protocol_message(e: ProtocolError) -> str:
+def transport_message(e: Exception) -> str:
+    """The user-facing text for a transport failure (the Subscriber's own text names the cause)."""
     if getattr(e, "reason", None) == "version":
         return f"the teacher speaks another protocol version ({e}): run teacher and students from the same release"
-    return f"the teacher sent a message this student cannot read ({e})"
+    return f"transport: {e}"
 
 
 def next_micro_batch(source, batcher: TokenBudgetBatcher, idle_flush_s: float) -> list[Sample]:

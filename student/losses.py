@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 -> fp32 for softmax-type math; fp32/fp64 stay as they are."""
+    return x.float() if x.element_size() < 4 else x
+
+
 def _tokens(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum().clamp(min=1)
 
@@ -96,8 +101,8 @@ def kl(
     Returns:
         Scalar: mean over real tokens of sum_v p_t(v) (log p_t(v) - log p_s(v)), times temperature**2.
     """
-    t_logp = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    s_logp = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t_logp = F.log_softmax(_up(teacher_logits) / temperature, dim=-1)
+    s_logp = F.log_softmax(_up(student_logits) / temperature, dim=-1)
     per_token = (t_logp.exp() * (t_logp - s_logp)).sum(dim=-1)  # [B, T]
     m = mask.to(per_token.dtype)
     return (per_token * m).sum() / _tokens(m) * temperature**2
@@ -114,7 +119,7 @@ def ce(logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor) -> tor
     Returns:
         Scalar: mean over positions i with mask[i] and mask[i + 1] of -log p(token[i + 1]).
     """
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
+    logp = F.log_softmax(_up(logits[:, :-1]), dim=-1)  # [B, T-1, V]
     nll = -logp.gather(-1, token_ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)  # [B, T-1]
     m = (mask[:, :-1].bool() & mask[:, 1:].bool()).to(nll.dtype)
     return (nll * m).sum() / _tokens(m)

@@ -33,7 +33,6 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from distill.config import ConfigError
-from distill.protocol import ProtocolError
 from student import losses
 from student.config import StudentConfig, load_student_config
 from student.data import (
@@ -46,7 +45,6 @@ from student.data import (
     collate,
     empty_batch,
     next_micro_batch,
-    protocol_message,
 )
 from student.ledger import Ledger
 from student.model import DistillModel, TeacherHead, load_student, teacher_config
@@ -180,10 +178,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     if cfg.mode == "spool":
         source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, trained_keys)
     else:
-        try:
-            source = StreamSource(run.transport, trained_keys)
-        except ProtocolError as e:
-            raise StudentError(protocol_message(e)) from None
+        source = StreamSource(run.transport, trained_keys)
     batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
 
     # --- the loop: one iteration = one collective micro-step ---
