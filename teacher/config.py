@@ -1,0 +1,174 @@
+"""Typed teacher configuration: the run file's `teacher` section and the connector's extra config.
+
+Both are validated once, at load (`distill.config.validate`): unknown keys and bad values fail with
+their dotted name before vLLM starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from distill.config import ConfigError, SpoolConfig, Strict, TransportConfig, load_yaml, validate
+
+
+class ConnectorConfig(Strict):
+    """What `DistillHiddenStatesConnector` reads from `kv_connector_extra_config`."""
+
+    # stream: hand samples to the ZeroMQ Publisher (it spools when no student / memory is full);
+    # spool: write every sample to spool.dir as a safetensors file (vLLM's layout), no sockets.
+    mode: Literal["stream", "spool"] = "stream"
+    # Optional YAML run file whose `transport` and `spool` sections are used (handy for `vllm serve`);
+    # keys given here as well override it.
+    run_file: str | None = None
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    spool: SpoolConfig = Field(default_factory=SpoolConfig)
+    # Append-only file of acknowledged sample keys (the resume record); None: no journal.
+    journal: str | None = None
+    # Save generated tokens' states too when a request does not say (`include_output_tokens`).
+    include_output_tokens: bool = False
+    # Samples copied off the cache but not yet handed to the Publisher; beyond it the engine step
+    # waits (only when even the spool cannot keep up).
+    queue_samples: int = Field(64, gt=0)
+    # CUDA only: reused pinned staging buffers for the device-to-host copy.
+    pinned_buffers: int = Field(4, ge=0)
+    # At connector shutdown: how long to wait for students to ack what is still in flight before
+    # the Publisher spools it.
+    drain_timeout_s: float = Field(5.0, ge=0)
+    # Hold `<spool file>.lock` while a sample is undecided, so vLLM's `load_hidden_states` on the
+    # returned path waits for it (as with vLLM's own connector).
+    use_lock: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Parse `kv_connector_extra_config` (plus its optional run file) into a ConnectorConfig."""
+        data = dict(extra or {})
+        run_file = data.get("run_file")
+        if run_file:
+            base = load_yaml(run_file)
+            for section in ("transport", "spool"):
+                merged = dict(base.get(section) or {})
+                merged.update(data.get(section) or {})
+                data[section] = merged
+        return validate(cls, data, prefix="kv_connector_extra_config.")
+
+
+class TeacherConfig(Strict):
+    """The `teacher` section of a run file."""
+
+    # Local model folder (config.json + weights + tokenizer).
+    model: str
+    # Weights / activations dtype; the hidden states travel in this dtype.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Longest prompt (+ generated tokens) in tokens; longer dataset rows are skipped with a warning.
+    max_model_len: int = Field(2048, gt=0)
+    tensor_parallel_size: int = Field(1, gt=0)
+    # Layer ids to extract: 0 = embeddings, k = output of decoder layer k-1, L = num_hidden_layers =
+    # the last layer's output BEFORE the final norm.
+    layer_ids: list[int] = Field(min_length=1)
+    # vLLM: no CUDA graphs / compilation (faster start, slower steps).
+    enforce_eager: bool = False
+    # Must stay false: hidden-state extraction needs whole prompts in one step.
+    enable_chunked_prefill: bool = False
+    # CUDA: fraction of GPU memory vLLM may use.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # CPU: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE); None: vLLM's default.
+    cpu_kvcache_space_gib: int | None = Field(None, gt=0)
+    # vLLM load format: "auto", or "dummy" (random weights, for throughput runs).
+    load_format: str = "auto"
+    seed: int = 0
+
+    # Dataset: a .jsonl file, a .parquet file, or a folder written by `datasets.save_to_disk`.
+    dataset: str
+    dataset_format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
+    # Column with plain text, or with chat messages [{"role", "content"}] (the chat template applies).
+    text_field: str = "text"
+    messages_field: str = "messages"
+    # Column with the sample key; None: the row number ("row-<n>").
+    key_field: str | None = "id"
+    # HF folders with several splits (DatasetDict): which one.
+    split: str = "train"
+    # Use at most this many rows (after skipping what was already delivered: None = all).
+    max_samples: int | None = Field(None, gt=0)
+
+    # Tokens to generate per prompt: 1 = prefill only; > 1 with include_output_tokens for draft-model
+    # training data (the generated tokens' states are saved too, except the last one's).
+    max_tokens: int = Field(1, gt=0)
+    include_output_tokens: bool = False
+    temperature: float = Field(0.0, ge=0)
+
+    # Requests submitted to vLLM at once; memory stays flat whatever the dataset size.
+    window: int = Field(64, gt=0)
+    # Append-only file of sample keys acknowledged by students: a restarted teacher skips them
+    # (and skips keys already in the spool folder).
+    journal: str | None = "runs/journal.txt"
+    # After the last sample: wait at most this long for students to ack everything (or for the
+    # Publisher to spool it) before shutting down; what is left is spooled by the shutdown.
+    drain_timeout_s: float = Field(600.0, ge=0)
+    # Connector settings that the run file's transport/spool sections do not cover.
+    connector_mode: Literal["stream", "spool"] = "stream"
+    queue_samples: int = Field(64, gt=0)
+    pinned_buffers: int = Field(4, ge=0)
+    # Extra keyword arguments for vllm.LLM (escape hatch; prefer the typed keys above).
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _layers(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"layer ids must be distinct, got {v}")
+        if any(x < 0 for x in v):
+            raise ValueError(f"layer ids must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _rules(self) -> TeacherConfig:
+        if self.enable_chunked_prefill:
+            raise ValueError(
+                "enable_chunked_prefill must be false: hidden-state extraction needs each prompt in "
+                "one step. Remove it or set teacher.enable_chunked_prefill=false"
+            )
+        if self.include_output_tokens and self.max_tokens < 2:
+            raise ValueError("include_output_tokens needs max_tokens >= 2 (the last token has no state)")
+        return self
+
+
+def load_teacher_config(data: dict[str, Any] | None) -> TeacherConfig:
+    if data is None:
+        raise ConfigError("the run file has no 'teacher' section")
+    return validate(TeacherConfig, data, prefix="teacher.")
+
+
+def model_num_layers(model_dir: str) -> int:
+    """num_hidden_layers from a local model folder's config.json (text_config for multimodal)."""
+    p = Path(model_dir)
+    cfg_path = p / "config.json"
+    if not p.is_dir():
+        raise ConfigError(
+            f"teacher.model: {model_dir!r} is not a folder. Point it at a local model folder "
+            "(config.json + weights + tokenizer); this teacher does not download models."
+        )
+    if not cfg_path.is_file():
+        raise ConfigError(f"teacher.model: {model_dir!r} has no config.json: not a model folder")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"teacher.model: cannot read {cfg_path}: {e}") from None
+    n = cfg.get("num_hidden_layers")
+    if n is None and isinstance(cfg.get("text_config"), dict):
+        n = cfg["text_config"].get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise ConfigError(f"teacher.model: {cfg_path} has no integer num_hidden_layers")
+    return n
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    bad = [x for x in layer_ids if not 0 <= x <= num_layers]
+    if bad:
+        raise ConfigError(
+            f"teacher.layer_ids: {bad} out of range for a model with num_hidden_layers={num_layers}; "
+            f"valid ids are 0..{num_layers} (0 = embeddings, {num_layers} = last layer before the norm)"
+        )

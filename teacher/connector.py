@@ -1,0 +1,416 @@
+"""vLLM KV connector that streams each finished request's hidden states to students.
+
+Load it next to the `extract_hidden_states` speculative method::
+
+    kv_transfer_config = {
+        "kv_connector": "DistillHiddenStatesConnector",
+        "kv_connector_module_path": "teacher.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {...},   # teacher.config.ConnectorConfig, parsed once
+    }
+
+The scheduler side is vLLM's reference `ExampleHiddenStatesConnector` (subclassed, so the installed
+vLLM's own bookkeeping and cache layout are used: 0.26 and 0.32 differ); this module changes where
+the rows go. Plugin hooks by side, and when vLLM calls them:
+
+Scheduler side (engine core process)
+    build_connector_meta(scheduler_output)  every step: hands the requests that finished last step
+        (block ids, token ids) to the worker, plus each new request's sample key, metadata and the
+        spool path its lock file is taken on.
+    request_finished(_all_groups)(request, block_ids)  once per finished request, before its blocks
+        are freed: keeps the blocks (returns True) and returns `kv_transfer_params` telling the
+        caller where the sample goes (see below).
+    get_num_new_matched_tokens / update_state_after_alloc  store-only connector: nothing to load.
+Worker side (each worker process; only tensor-parallel rank 0 sends)
+    register_kv_caches(kv_caches)  once at start: finds the hidden-state cache; rank 0 starts the
+        Publisher (binds the transport endpoints) and the sender thread.
+    wait_for_save()  every step: takes an exclusive flock on `<spool path>.lock` of new requests.
+    get_finished(finished_req_ids)  every step: gathers finished requests' rows from the cache,
+        copies them to host memory (CUDA: side stream into reused pinned buffers; CPU: a plain
+        gather) and queues them for the sender thread; reports a request "finished sending" once
+        its rows are off the cache, so vLLM can free its blocks. The engine step never waits for
+        students: `Publisher.submit` spools when memory is full or no student is connected.
+    get_finished_count()  1: only rank 0 reports, the other ranks would otherwise block the free.
+    shutdown()  at engine shutdown: drains the sender thread, closes the Publisher's input, waits
+        up to `drain_timeout_s` for acks, then closes it (anything unacked is spooled, never lost).
+
+`kv_transfer_params` returned per request::
+
+    sample_key          the key of the sample (from the request's kv_transfer_params["sample_key"],
+                        default: vLLM's request id)
+    destination         "stream" (mode stream) or "spool" (mode spool)
+    teacher_id          transport.teacher_id when set
+    hidden_states_path  the spool file of this sample. Mode spool: always written. Mode stream:
+                        written only when the Publisher spools the sample (no student, memory
+                        full, or unacked at shutdown). vLLM's `load_hidden_states(path)` blocks on
+                        the lock until the sender decided, then loads the file; it raises
+                        FileNotFoundError when the sample was streamed instead.
+
+vLLM returns these when the request finishes, before the worker copies the rows (one step later),
+so the final fate of a streamed sample is known from the Publisher's journal (acked keys) and the
+spool folder, not from the response. Per-request `kv_transfer_params` in: `sample_key` (str),
+`meta` (a small msgpack-able map carried in the sample header), `include_output_tokens` (bool).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _ref
+from vllm.logger import init_logger
+
+from distill.protocol import Sample
+from distill.spool import spool_name, write_sample
+from teacher.config import ConnectorConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so it shares vLLM's log handler
+
+_STOP = object()  # sender-thread sentinel
+
+
+@dataclass
+class _SampleInfo:
+    """Per-request facts the scheduler learns and the worker needs (travels in the metadata)."""
+
+    key: str
+    meta: dict[str, Any]
+    path: str  # spool path (lock file beside it)
+
+
+@dataclass
+class _Job:
+    """One sample on its way from the cache to the Publisher (sender thread input)."""
+
+    req_id: str
+    info: _SampleInfo
+    token_ids: torch.Tensor  # [T] int64, CPU
+    hidden_states: torch.Tensor  # [T, L, H] CPU (CUDA: a view into a pinned staging buffer)
+    copy_done: Any  # CUDA event to wait on before reading `hidden_states`; None on CPU
+    staging: torch.Tensor | None  # pinned buffer to give back once copied out; None on CPU
+    lock_fd: int | None  # fd holding LOCK_EX on `<path>.lock`; closed once the sample is placed
+
+
+class _PinnedPool:
+    """Reused pinned host buffers for device-to-host copies (CUDA only).
+
+    A buffer is taken for one copy and given back by the sender thread as soon as the rows were
+    copied into pageable memory (the Publisher keeps that copy until acked, so pinned memory stays
+    bounded at `capacity` buffers). When every buffer is busy, `take` returns None and the caller
+    copies into pageable memory instead.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity  # most buffers ever allocated
+        self._free: list[torch.Tensor] = []  # idle uint8 pinned buffers
+        self._count = 0  # buffers allocated so far
+        self._lock = threading.Lock()  # take (engine thread) vs give (sender thread)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._free.remove(buf)
+                return buf
+            if self._count < self.capacity:
+                self._count += 1
+            elif self._free:
+                self._free.pop(0)  # too small for this sample: replace it by a larger one
+            else:
+                return None
+        size = 1 << max(20, (nbytes - 1).bit_length())  # power of two >= 1 MiB: few re-allocations
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
+    """Hidden-state connector that hands samples to a `distill.transport.Publisher`."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: Any = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        # Parsed once; a bad value fails the engine start naming the key.
+        self.cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        # The reference's file writer is not used: placement happens in our sender thread.
+        self._executor.shutdown(wait=False)
+        self._storage_path = self.cfg.spool.dir
+        self.use_lock = self.cfg.use_lock
+        self.allow_custom_save_path = False
+        hf = vllm_config.speculative_config.draft_model_config.hf_config
+        self.layer_ids = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
+
+        # Scheduler-side state
+        self._req_info: dict[str, _SampleInfo] = {}  # req_id -> key/meta/path, from scheduling to finish
+        self._finished_info: dict[
+            str, _SampleInfo
+        ] = {}  # req_id -> info of a finished request, until sent to the worker
+
+        # Worker-side state (set up in register_kv_caches on rank 0)
+        self._publisher = None  # distill.transport.Publisher (mode stream)
+        self._queue: queue.Queue | None = None  # _Job / _STOP for the sender thread
+        self._sender: threading.Thread | None = None
+        self._sender_error: BaseException | None = None  # first failure, re-raised on the engine step
+        self._pending_copies: dict[str, Any] = {}  # req_id -> CUDA event of its copy (None: done)
+        self._finished_reqs: set[str] = set()  # req_ids the scheduler finished, awaiting their copy
+        self._pinned: _PinnedPool | None = None  # CUDA staging buffers
+        self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
+        self._closed = False
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+
+    def _info_for(self, req_id: str, kv_params: dict[str, Any] | None) -> _SampleInfo:
+        kv_params = kv_params or {}
+        key = str(kv_params.get("sample_key") or req_id)
+        meta = kv_params.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise ValueError(
+                f"kv_transfer_params['meta'] of request {req_id} must be a map, got {type(meta)}"
+            )
+        return _SampleInfo(key=key, meta=meta, path=os.path.join(self.cfg.spool.dir, spool_name(key)))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        # The reference names files after the request id; ours are named after the sample key, at
+        # the spool path, so the returned path is the one the spool (and the lock) use.
+        for new_req in scheduler_output.scheduled_new_reqs:
+            sp = new_req.sampling_params
+            kv_params = sp.extra_args.get("kv_transfer_params") if sp and sp.extra_args else None
+            info = self._info_for(new_req.req_id, kv_params)
+            self._req_info[new_req.req_id] = info
+            self._request_filenames[new_req.req_id] = info.path
+            if hasattr(meta, "new_req_filenames"):
+                meta.new_req_filenames[new_req.req_id] = info.path
+        meta.distill_samples = {
+            p.req_id: self._finished_info.pop(p.req_id)
+            for p in meta.pending_saves
+            if p.req_id in self._finished_info
+        }
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        kv_params = request.kv_transfer_params
+        if self.cfg.include_output_tokens and isinstance(kv_params, dict):
+            kv_params.setdefault("include_output_tokens", True)
+        elif self.cfg.include_output_tokens and kv_params is None:
+            request.kv_transfer_params = {"include_output_tokens": True}
+        info = self._req_info.pop(request.request_id, None)
+        delay, _ = super().request_finished(request, block_ids)
+        if not delay or info is None:
+            return delay, None
+        self._finished_info[request.request_id] = info
+        params: dict[str, Any] = {
+            "sample_key": info.key,
+            "destination": self.cfg.mode,
+            "hidden_states_path": info.path,
+        }
+        if self.cfg.transport.teacher_id:
+            params["teacher_id"] = self.cfg.transport.teacher_id
+        return True, params
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        super().register_kv_caches(kv_caches)
+        if not self._is_tp_rank_zero or self._sender is not None:
+            return
+        if self._kv_cache.is_cuda:
+            self._pinned = _PinnedPool(self.cfg.pinned_buffers)
+        if self.cfg.mode == "stream":
+            from distill.transport import Publisher
+
+            self._publisher = Publisher(self.cfg.transport, self.cfg.spool, journal=self.cfg.journal)
+            self._publisher.start()
+            logger.info("Distill publisher bound to %s", ", ".join(self.cfg.transport.bind))
+        self._queue = queue.Queue(maxsize=self.cfg.queue_samples)
+        self._sender = threading.Thread(target=self._send_loop, name="distill-sender", daemon=True)
+        self._sender.start()
+
+    def _slot_mapping(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
+        return slots[:num_tokens]
+
+    def _extract(self, pending, info: _SampleInfo | None) -> None:
+        """Copy one finished request's rows off the cache and queue them for the sender thread."""
+        if info is None:  # cannot happen unless scheduler/worker bookkeeping diverged
+            info = self._info_for(pending.req_id, None)
+            info.path = pending.filename
+        kv = self._kv_cache
+        num_tokens = int(pending.token_ids.shape[0])
+        slots = self._slot_mapping(pending.block_ids, num_tokens)
+        copy_done = None
+        staging = None
+        if kv.is_cuda:
+            stream = self._get_copy_stream()
+            ready = torch.cuda.Event()
+            ready.record()
+            stream.wait_event(ready)  # the copy sees every write of the forward pass
+            with torch.cuda.stream(stream):
+                rows = _ref.extract_from_kv_cache(kv, slots.to(kv.device, non_blocking=True), num_tokens)
+                nbytes = rows.numel() * rows.element_size()
+                staging = self._pinned.take(nbytes) if self._pinned is not None else None
+                if staging is not None:
+                    host = staging[:nbytes].view(rows.dtype).view(rows.shape)
+                    host.copy_(rows, non_blocking=True)
+                else:
+                    host = rows.to("cpu")  # every pinned buffer busy: pageable (synchronous) copy
+                copy_done = torch.cuda.Event()
+                copy_done.record(stream)
+        else:
+            # CPU: advanced indexing already gathers into a new tensor; no pinning, streams or events.
+            host = _ref.extract_from_kv_cache(kv, slots, num_tokens).contiguous()
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            lock_fd = _take_lock(info.path)
+        self._pending_copies[pending.req_id] = copy_done
+        self._queue.put(
+            _Job(pending.req_id, info, pending.token_ids.clone(), host, copy_done, staging, lock_fd)
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._sender_error is not None:
+            raise RuntimeError(
+                f"distill sender thread failed: {self._sender_error!r}"
+            ) from self._sender_error
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, _ref.ExampleHiddenStatesConnectorMetadata) and self._is_tp_rank_zero:
+                samples = getattr(meta, "distill_samples", {})
+                for pending in meta.pending_saves:
+                    self._extract(pending, samples.get(pending.req_id))
+        self._finished_reqs.update(finished_req_ids)
+        done: set[str] = set()
+        for req_id in list(self._finished_reqs):
+            if req_id in self._pending_copies:
+                event = self._pending_copies[req_id]
+                if event is not None and not event.query():
+                    continue  # device-to-host copy still running: keep the blocks
+                del self._pending_copies[req_id]
+                done.add(req_id)
+            self._finished_reqs.discard(req_id)
+            lock_fd = self._lock_fds.pop(req_id, None)  # aborted before extraction
+            if lock_fd is not None:
+                os.close(lock_fd)
+        return done or None, None
+
+    def _send_loop(self) -> None:
+        """Sender thread: wait for each copy, build the Sample, place it (stream or spool)."""
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            try:
+                self._place(job)
+            except BaseException as e:  # surfaced on the next engine step (get_finished)
+                self._placed["errors"] += 1
+                logger.exception("distill: placing sample %r failed", job.info.key)
+                if self._sender_error is None:
+                    self._sender_error = e
+            finally:
+                if job.lock_fd is not None:
+                    os.close(job.lock_fd)  # releases LOCK_EX: load_hidden_states readers proceed
+
+    def _place(self, job: _Job) -> None:
+        hs = job.hidden_states
+        if job.copy_done is not None:
+            job.copy_done.synchronize()
+        if job.staging is not None:
+            hs = hs.clone()  # out of the pinned buffer, which goes back to the pool
+            self._pinned.give(job.staging)
+        meta = dict(job.info.meta)
+        meta.setdefault("num_tokens", int(hs.shape[0]))
+        sample = Sample(
+            key=job.info.key,
+            tensors={"hidden_states": hs, "token_ids": job.token_ids},
+            layers=list(self.layer_ids),
+            meta=meta,
+        )
+        if self._publisher is None:
+            where = str(write_sample(self.cfg.spool.dir, sample))
+        else:
+            where = self._publisher.submit(sample)
+        if where.startswith("stream:"):
+            self._placed["stream"] += 1
+            if job.lock_fd is not None:
+                # Streamed: no file will appear; drop the lock so the spool folder stays clean
+                # (a reader waiting on it then finds no file: FileNotFoundError, as documented).
+                _unlink(job.info.path + ".lock")
+        else:
+            self._placed["spool"] += 1
+            if where != job.info.path:
+                _touch(where + ".lock")  # so vLLM's load_hidden_states can read it too
+
+    def shutdown(self):
+        if self._closed:
+            return
+        self._closed = True
+        if self._sender is not None:
+            self._queue.put(_STOP)
+            self._sender.join()
+        if self._publisher is not None:
+            pub = self._publisher
+            pub.close_input()
+            # With no student connected nothing can be acked: spool at once (vLLM kills a slow
+            # shutdown after a few seconds).
+            has_students = pub.stats().get("students", 0) > 0
+            if has_students and not pub.wait_done(timeout=self.cfg.drain_timeout_s):
+                logger.info(
+                    "distill: students did not ack everything in %.1fs; spooling the rest",
+                    self.cfg.drain_timeout_s,
+                )
+            pub.close()
+            # The Publisher's own spool files (written at close) get a lock file beside them so
+            # vLLM's load_hidden_states reads them as well.
+            from distill.spool import list_spool
+
+            for p in list_spool(self.cfg.spool.dir):
+                if not os.path.exists(f"{p}.lock"):
+                    _touch(f"{p}.lock")
+            logger.info("distill: publisher closed: %s", pub.stats())
+        for fd in self._lock_fds.values():
+            os.close(fd)
+        self._lock_fds.clear()
+        if self._sender is not None:
+            logger.info("distill: samples placed: %s", self._placed)
+
+
+def _take_lock(path: str) -> int:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _touch(path: str) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
