@@ -459,7 +459,9 @@ class Publisher:
             self._pending.appendleft(e)
         if back:
             self._counters["redelivered"] += len(back)
-        log.warning("student %s gone (%s): %d samples to redeliver", st.name, why, len(back))
+        (log.warning if back else log.info)(
+            "student %s gone (%s): %d samples to redeliver", st.name, why, len(back)
+        )
 
     def _heartbeat(self, now: float) -> None:
         for ident, st in list(self._students.items()):

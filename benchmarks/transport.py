@@ -1,0 +1,314 @@
+"""Transport benchmark: the same samples teacher -> 2 student processes over five paths, in one run.
+
+    .venv/bin/python benchmarks/transport.py [--repeats 3] [--total-mb 512]
+
+Paths (every student touches one byte per 4 KiB page of each sample, then acknowledges it):
+  tcp     distill Publisher -> 2 Subscriber processes, ZeroMQ over tcp loopback (shm off)
+  shm     the same with the same-host shared-memory ring (header over ZeroMQ, bytes in /dev/shm)
+  file    vLLM's documented file handoff: the writer takes an exclusive flock on <file>.lock, writes
+          safetensors to /dev/shm, releases; the reader takes a shared flock, loads, deletes
+  socket  a bare TCP socket per student (length-prefixed, sendall / recv_into), one sender thread each
+  memcpy  one in-process copy of the same bytes (the ceiling)
+
+Samples: 8 MiB and 32 MiB bf16, --total-mb of each size per path and repeat. Prints GB/s per path
+and size (median over repeats) and the ratios; the last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from distill.config import SpoolConfig, TransportConfig  # noqa: E402
+from distill.protocol import Sample  # noqa: E402
+from distill.transport import Publisher, Subscriber  # noqa: E402
+
+MiB = 1 << 20
+PAGE = 4096
+
+
+def touch(t: torch.Tensor) -> int:
+    """Read one byte per page, so mapped memory is really brought in."""
+    b = t.reshape(-1).view(torch.uint8)
+    return int(b[::PAGE].sum()) if b.numel() else 0
+
+
+# ---------------------------------------------------------------- student processes
+
+
+def zmq_student(ep: str, shm: str, ready, done_q) -> None:
+    cfg = TransportConfig(connect=[ep], shm=shm, credit_samples=8, credit_bytes=512 * MiB)
+    with Subscriber(cfg, name=f"bench-{os.getpid()}") as sub:
+        ready.set()
+        n = 0
+        for s in sub:
+            touch(s.tensors["hidden_states"])
+            sub.ack(s)
+            n += 1
+        done_q.put(n)
+
+
+def file_reader(q, done_q) -> None:
+    from safetensors.torch import load_file
+
+    n = 0
+    while True:
+        path = q.get()
+        if path is None:
+            break
+        lock = path + ".lock"
+        fd = os.open(lock, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits for the writer
+        t = load_file(path)["hidden_states"]
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        touch(t)
+        os.unlink(path)
+        os.unlink(lock)
+        n += 1
+        done_q.put(1)
+    done_q.put(("end", n))
+
+
+def socket_receiver(port: int, nbytes: int, ready, done_q) -> None:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(1)
+    ready.set()
+    conn, _ = srv.accept()
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    n = 0
+    while True:
+        hdr = conn.recv(8, socket.MSG_WAITALL)
+        if len(hdr) < 8:
+            break
+        (size,) = struct.unpack("<Q", hdr)
+        if size == 0:
+            break
+        got = 0
+        while got < size:
+            r = conn.recv_into(view[got:size], size - got)
+            if r == 0:
+                raise RuntimeError("sender closed early")
+            got += r
+        touch(torch.frombuffer(view[:size], dtype=torch.uint8))
+        conn.sendall(b"a")  # per-sample ack, like the others
+        n += 1
+    done_q.put(n)
+    conn.close()
+    srv.close()
+
+
+# ---------------------------------------------------------------- paths
+
+
+def make_pool(size_mib: int, k: int = 4) -> list[torch.Tensor]:
+    hidden = 4096
+    layers = 4
+    tokens = size_mib * MiB // (hidden * layers * 2)
+    return [torch.randn(tokens, layers, hidden).bfloat16() for _ in range(k)]
+
+
+def run_zmq(pool, count: int, shm: str, ctx) -> float:
+    port = _free_port()
+    ep = f"tcp://127.0.0.1:{port}"
+    nbytes = pool[0].numel() * 2
+    cfg = TransportConfig(
+        bind=[ep], shm=shm, shm_bytes=max(256 * MiB, 20 * nbytes), max_buffer_bytes=64 * nbytes
+    )
+    spool = f"/tmp/bench-spool-{os.getpid()}"
+    with Publisher(cfg, SpoolConfig(dir=spool)) as pub:
+        done_q = ctx.Queue()
+        evs = [ctx.Event() for _ in range(2)]
+        procs = [ctx.Process(target=zmq_student, args=(ep, shm, evs[i], done_q)) for i in range(2)]
+        for p in procs:
+            p.start()
+        for e in evs:
+            e.wait(60)
+        while pub.stats()["students"] < 2:
+            time.sleep(0.01)
+        # Warm-up lap (untimed): a long-running teacher reuses warm ring pages and socket buffers.
+        warm = min(count, 24)
+        for i in range(warm):
+            pub.submit(Sample(key=f"w{i}", tensors={"hidden_states": pool[i % len(pool)]}))
+        while pub.stats()["acked"] < warm:
+            time.sleep(0.005)
+        t0 = time.perf_counter()
+        for i in range(count):
+            pub.submit(Sample(key=f"k{i}", tensors={"hidden_states": pool[i % len(pool)]}))
+        pub.close_input()
+        if not pub.wait_done(600):
+            raise RuntimeError("zmq path did not finish")
+        dt = time.perf_counter() - t0
+        got = done_q.get(timeout=60) + done_q.get(timeout=60) - warm
+        for p in procs:
+            p.join()
+        st = pub.stats()
+    shutil.rmtree(spool, ignore_errors=True)
+    if got != count or st["spooled"]:
+        raise RuntimeError(f"zmq path delivered {got}/{count}, spooled {st['spooled']}")
+    if shm == "auto" and st.get("shm_samples", 0) != count + warm:
+        raise RuntimeError(f"shm path used the ring for only {st.get('shm_samples', 0)}/{count} samples")
+    return dt
+
+
+def run_file(pool, count: int, ctx) -> float:
+    from safetensors.torch import save_file
+
+    d = Path(f"/dev/shm/bench-files-{os.getpid()}")
+    d.mkdir(parents=True, exist_ok=True)
+    qs = [ctx.Queue() for _ in range(2)]
+    done_q = ctx.Queue()
+    procs = [ctx.Process(target=file_reader, args=(qs[i], done_q)) for i in range(2)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    for i in range(count):
+        path = str(d / f"req-{i}.safetensors")
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        qs[i % 2].put(path)  # the reader learns the path before the write is done, as in vLLM
+        save_file({"hidden_states": pool[i % len(pool)]}, path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    for _ in range(count):
+        done_q.get(timeout=600)
+    dt = time.perf_counter() - t0
+    for q in qs:
+        q.put(None)
+    got = 0
+    for _ in range(2):
+        got += done_q.get(timeout=60)[1]
+    for p in procs:
+        p.join()
+    shutil.rmtree(d, ignore_errors=True)
+    if got != count:
+        raise RuntimeError(f"file path delivered {got}/{count}")
+    return dt
+
+
+def run_socket(pool, count: int, ctx) -> float:
+    nbytes = pool[0].numel() * 2
+    ports = [_free_port() for _ in range(2)]
+    done_q = ctx.Queue()
+    evs = [ctx.Event() for _ in range(2)]
+    procs = [ctx.Process(target=socket_receiver, args=(ports[i], nbytes, evs[i], done_q)) for i in range(2)]
+    for p in procs:
+        p.start()
+    for e in evs:
+        e.wait(60)
+    conns = []
+    for port in ports:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conns.append(c)
+    bufs = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in pool]
+
+    def sender(c, idx):
+        for i in idx:
+            b = bufs[i % len(bufs)]
+            c.sendall(struct.pack("<Q", b.nbytes))
+            c.sendall(b)
+            c.recv(1)
+        c.sendall(struct.pack("<Q", 0))
+
+    t0 = time.perf_counter()
+    ths = [threading.Thread(target=sender, args=(conns[r], range(r, count, 2))) for r in range(2)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    got = done_q.get(timeout=60) + done_q.get(timeout=60)
+    dt = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    for c in conns:
+        c.close()
+    if got != count:
+        raise RuntimeError(f"socket path delivered {got}/{count}")
+    return dt
+
+
+def run_memcpy(pool, count: int) -> float:
+    dst = torch.empty_like(pool[0])
+    dst.copy_(pool[0])  # warm: fault the destination pages in
+    t0 = time.perf_counter()
+    for i in range(count):
+        dst.copy_(pool[i % len(pool)])
+    return time.perf_counter() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--total-mb", type=int, default=512, help="MiB per path, size and repeat")
+    ap.add_argument("--sizes", default="8,32", help="sample sizes in MiB")
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    results: dict = {
+        "machine": f"{platform.node()} {os.cpu_count()} cores {platform.processor() or platform.machine()}",
+        "command": "python " + " ".join(sys.argv),
+    }
+    paths = ["tcp", "shm", "file", "socket", "memcpy"]
+    for size in [int(x) for x in args.sizes.split(",")]:
+        pool = make_pool(size)
+        nbytes = pool[0].numel() * 2
+        count = max(2, args.total_mb // size)
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for r in range(args.repeats):
+            times["tcp"].append(run_zmq(pool, count, "off", ctx))
+            times["shm"].append(run_zmq(pool, count, "auto", ctx))
+            times["file"].append(run_file(pool, count, ctx))
+            times["socket"].append(run_socket(pool, count, ctx))
+            times["memcpy"].append(run_memcpy(pool, count))
+            print(
+                f"  {size} MiB repeat {r + 1}: "
+                + ", ".join(f"{p} {count * nbytes / times[p][-1] / 1e9:.2f}" for p in paths),
+                flush=True,
+            )
+        gbs = {p: count * nbytes / statistics.median(times[p]) / 1e9 for p in paths}
+        for p in paths:
+            results[f"gbs_{p}_{size}mib"] = round(gbs[p], 3)
+        results[f"ratio_shm_over_file_{size}mib"] = round(gbs["shm"] / gbs["file"], 3)
+        results[f"ratio_shm_over_memcpy_{size}mib"] = round(gbs["shm"] / gbs["memcpy"], 3)
+        results[f"ratio_tcp_over_socket_{size}mib"] = round(gbs["tcp"] / gbs["socket"], 3)
+        results[f"samples_{size}mib"] = count
+        print(f"{size} MiB samples x {count} ({count * nbytes / 1e6:.0f} MB), median of {args.repeats}:")
+        for p in paths:
+            print(f"  {p:7s} {gbs[p]:7.2f} GB/s")
+        print(
+            f"  shm/file {gbs['shm'] / gbs['file']:.2f}x (target >= 3)   shm/memcpy {gbs['shm'] / gbs['memcpy']:.2f} "
+            f"(target >= 0.30)   tcp/socket {gbs['tcp'] / gbs['socket']:.2f} (target >= 0.8)"
+        )
+    for key in ("shm_over_file", "shm_over_memcpy", "tcp_over_socket"):
+        results[f"ratio_{key}"] = min(v for k, v in results.items() if k.startswith(f"ratio_{key}_"))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Malformed messages fed to live peers over real sockets: each is rejected and counted, the peer
+keeps serving."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import torch
+import zmq
+
+from distill import protocol as P
+from distill.config import SpoolConfig, TransportConfig
+from distill.protocol import Sample
+from distill.transport import Publisher, Subscriber, TransportError
+
+
+def _wait(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_teacher_rejects_garbage_and_keeps_serving(tmp_path):
+    ep = f"ipc://{tmp_path}/t.sock"
+    cfg = TransportConfig(bind=[ep], connect=[ep], heartbeat_interval_s=0.1, shm="off")
+    with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(ep)
+        bad = [
+            [b"\xc1\xc1\xc1"],  # not msgpack
+            [msgpack.packb("a string")],  # not a map
+            [msgpack.packb({"v": 99, "k": P.HELLO})],  # wrong version
+            [msgpack.packb({"v": 1, "k": 1234})],  # unknown kind
+            [P.encode_control(P.HELLO, name="x", credit_samples=-1, credit_bytes=5)],  # bad credits
+            [P.encode_control(P.HEARTBEAT), b"extra frame"],  # control with extra frame
+            [b"\x00" * (P.MAX_HEADER_BYTES + 10)],  # oversized header
+            [msgpack.packb({"v": 1, "k": P.HELLO, "credit_samples": [1] * 10, "credit_bytes": {"a": 1}})],
+        ]
+        for frames in bad:
+            raw.send_multipart(frames)
+        # The same raw peer then says HELLO properly and sends an ACK with a wrong field type.
+        raw.send(P.encode_control(P.HELLO, name="raw", credit_samples=1, credit_bytes=1 << 20))
+        raw.send(P.encode_control(P.ACK, seqs="not a list"))
+        assert _wait(lambda: pub.stats()["rejected"] >= len(bad) + 1)
+        assert pub.stats()["rejected"] == len(bad) + 1
+        raw.send(P.encode_control(P.BYE))
+        raw.close(0)
+        # A real student still gets served.
+        sub_cfg = cfg.model_copy(update={"credit_samples": 4})
+        with Subscriber(sub_cfg) as sub:
+            pub.submit(Sample(key="ok", tensors={"hidden_states": torch.ones(3, 1, 4)}))
+            s = sub.get(timeout=10)
+            assert s is not None and s.key == "ok"
+            assert torch.equal(s.tensors["hidden_states"], torch.ones(3, 1, 4))
+            sub.ack(s)
+            assert _wait(lambda: pub.stats()["acked"] == 1)
+        reasons = pub.stats()["rejected_by_reason"]
+        assert {"garbage", "version", "kind", "field", "frames", "header_too_large"} <= set(reasons)
+
+
+def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path):
+    ep = f"ipc://{tmp_path}/fake-teacher.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(ep)
+    cfg = TransportConfig(connect=[ep], heartbeat_interval_s=0.1, shm="auto")
+    sub = Subscriber(cfg).start()
+    try:
+        # Handshake as a teacher would.
+        ident, hello = router.recv_multipart()
+        assert P.decode_header(hello)["k"] == P.HELLO
+        router.send_multipart([ident, P.encode_control(P.WELCOME, tid="fake", shm=None)])
+        while True:
+            ident, msg = router.recv_multipart()
+            if P.decode_header(msg)["k"] == P.CREDIT:
+                break
+        good = Sample(
+            key="good",
+            tensors={"hidden_states": torch.arange(24, dtype=torch.float32).view(4, 2, 3)},
+            teacher="fake",
+            seq=1,
+        )
+        h, bufs = P.sample_header(good, with_crc=True)
+        payload = bytes(bufs[0])
+
+        def spec(**kw):
+            t = list(h["t"][0])
+            for i, k in enumerate(("name", "dtype", "shape", "frame")):
+                if k in kw:
+                    t[i] = kw[k]
+            return P.pack({**h, "t": [t]})
+
+        bad = [
+            [b"garbage bytes"],  # header not msgpack
+            [P.pack(h), payload[:-5]],  # truncated tensor frame
+            [P.pack(h)],  # missing frame
+            [P.pack(h), payload, b"extra"],  # extra frame
+            [spec(dtype="q80"), payload],  # bad dtype
+            [spec(shape=[1 << 40, 1 << 20]), payload],  # huge declared shape
+            [spec(shape=[-1, 2, 3]), payload],  # negative dimension
+            [P.pack({**h, "crc": (h["crc"] + 1) & 0xFFFFFFFF}), payload],  # wrong checksum
+            [P.pack({**h, "shm": ["/dev/shm/nope", [4096]]})],  # shm slot on a ring never offered
+            [P.pack({**h, "k": 55}), payload],  # unknown kind
+        ]
+        for frames in bad:
+            router.send_multipart([ident, *frames])
+        router.send_multipart([ident, P.pack(h), payload])
+        s = sub.get(timeout=10)
+        assert s is not None and s.key == "good"
+        assert torch.equal(s.tensors["hidden_states"], good.tensors["hidden_states"])
+        assert sub.stats()["rejected"] == len(bad)
+        assert sub.stats()["received"] == 1
+        sub.ack(s)
+        # The ack reaches the fake teacher.
+        while True:
+            ident, msg = router.recv_multipart()
+            hh = P.decode_header(msg)
+            if hh["k"] == P.ACK:
+                assert hh["seqs"] == [1]
+                break
+        router.send_multipart([ident, P.encode_control(P.END, tid="fake")])
+        assert sub.get(timeout=10) is None and sub.finished
+    finally:
+        sub.close()
+        router.close(0)
+
+
+def test_student_reports_teacher_protocol_version_clearly(tmp_path):
+    ep = f"ipc://{tmp_path}/old-teacher.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(ep)
+    sub = Subscriber(TransportConfig(connect=[ep], heartbeat_interval_s=0.1)).start()
+    try:
+        ident, _ = router.recv_multipart()
+        router.send_multipart(
+            [ident, msgpack.packb({"v": P.PROTOCOL_VERSION + 1, "k": P.WELCOME, "tid": "new"})]
+        )
+        try:
+            sub.get(timeout=10)
+            raise AssertionError("expected a TransportError")
+        except TransportError as e:
+            assert "protocol version" in str(e)
+    finally:
+        sub.close()
+        router.close(0)

@@ -1,0 +1,107 @@
+"""Spool files (ours and vLLM's layout) and typed config errors."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from distill.config import ConfigError, RunFile, TransportConfig, load_run_file, validate
+from distill.protocol import Sample
+from distill.spool import iter_spool, list_spool, read_spool_file, write_sample
+
+
+def test_write_read_roundtrip_with_metadata(tmp_path):
+    hs = torch.randn(5, 3, 8).bfloat16()
+    s = Sample(
+        key="row/7",
+        tensors={"hidden_states": hs, "token_ids": torch.arange(5)},
+        layers=[1, 2, 4],
+        meta={"n": 5},
+        teacher="t",
+        seq=9,
+    )
+    p = write_sample(tmp_path, s)
+    assert p.exists() and p.suffix == ".safetensors"
+    assert [x.name for x in tmp_path.iterdir()] == [p.name], "no temporary file may be left"
+    out = read_spool_file(p)
+    assert out.key == "row/7" and out.layers == [1, 2, 4] and out.meta == {"n": 5} and out.seq == 9
+    assert torch.equal(out.tensors["hidden_states"].view(torch.uint8), hs.view(torch.uint8))
+
+
+def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    import distill.spool as spool
+
+    def disk_full(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spool, "save_file", disk_full)
+    with pytest.raises(OSError):
+        write_sample(tmp_path, Sample(key="x", tensors={"hidden_states": torch.ones(2, 2)}))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reads_vllm_connector_files_with_lock(tmp_path):
+    # vLLM's ExampleHiddenStatesConnector writes <dir>/<req>.safetensors (no metadata) and a .lock.
+    sub = tmp_path / "req-abc"
+    sub.mkdir()
+    f = sub / "req-abc.safetensors"
+    save_file({"hidden_states": torch.ones(4, 2, 6), "token_ids": torch.arange(4)}, str(f))
+    lock = str(f) + ".lock"
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    (samples,) = list(iter_spool(tmp_path))
+    assert samples.key == "req-abc" and samples.tensors["hidden_states"].shape == (4, 2, 6)
+
+
+def test_iter_spool_splits_ranks_and_rejects_empty(tmp_path):
+    for i in range(10):
+        write_sample(tmp_path, Sample(key=f"k{i}", tensors={"hidden_states": torch.zeros(1, 1, 1)}))
+    a = [s.key for s in iter_spool(tmp_path, rank=0, world_size=2)]
+    b = [s.key for s in iter_spool(tmp_path, rank=1, world_size=2)]
+    assert sorted(a + b) == [f"k{i}" for i in range(10)] and not set(a) & set(b)
+    assert len(list_spool(tmp_path)) == 10
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+        list(iter_spool(tmp_path / "empty"))
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        validate(TransportConfig, {"credit_sample": 3}, "transport.")
+    msg = str(ei.value)
+    assert "transport.credit_sample" in msg and "credit_samples" in msg
+    p = tmp_path / "x.yaml"
+    p.write_text("transport:\n  bind: [tcp://127.0.0.1:1]\n  shm: maybe\nspol: {}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_run_file(p)
+    assert "spol" in str(ei.value) and "transport.shm" in str(ei.value)
+
+
+def test_bad_values_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="endpoint"):
+        validate(TransportConfig, {"bind": ["http://x"]})
+    with pytest.raises(ConfigError, match="max_buffer_bytes"):
+        validate(TransportConfig, {"max_buffer_bytes": 0})
+    with pytest.raises(ConfigError, match="not found"):
+        load_run_file(tmp_path / "missing.yaml")
+
+
+def test_example_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "configs/ has no example"
+    for f in files:
+        first = f.read_text().splitlines()[0]
+        assert first.startswith("#") and (
+            "distill-teacher" in first or "student.py" in first or "python" in first
+        ), f
+        assert isinstance(load_run_file(f), RunFile)
