@@ -176,9 +176,9 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     # --- data: this rank's share of the stream or of the spool folder ---
     trained_keys = ledger.keys()
     if cfg.mode == "spool":
-        source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, trained_keys)
+        source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, set(trained_keys))
     else:
-        source = StreamSource(run.transport, trained_keys)
+        source = StreamSource(run.transport, set(trained_keys))
     batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
 
     # --- the loop: one iteration = one collective micro-step ---
@@ -212,6 +212,13 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 check_sample(s, layer_ids, teacher_hidden)
         except StudentError as e:
             error, samples = str(e), []
+        # Belt and braces: the Subscriber already skips the ledger's keys it was given and keys
+        # this rank acked; a copy of one trained here since (or merged at a checkpoint) is acked
+        # without training.
+        seen = [s for s in samples if s.key in trained_keys]
+        if seen:
+            source.ack(seen)
+            samples = [s for s in samples if s.key not in trained_keys]
         tokens = sum(s.num_tokens for s in samples)
         done_here = source.exhausted and not batcher.pending
         # 2. Agree: ranks with data, global tokens, ranks finished, ranks failed.
@@ -255,6 +262,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             # Only now may the teacher forget these samples: the step that used them is done.
             source.ack(pending)
             ledger.record([s.key for s in pending], rank, step)
+            trained_keys.update(s.key for s in pending)
             pending, micro, synced = [], 0, True
 
             # Metrics: global token-weighted means (one all-reduce per step).
@@ -299,6 +307,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 )
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 save_checkpoint(accelerator, ledger, ckpt_dir, step)
+                trained_keys |= ledger.keys()  # now includes the other ranks' keys
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 break
         if all_done:
@@ -308,6 +317,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     # --- the end: unacked samples go back to the teacher, the student is saved ---
     source.close()
     ledger.merge(flatten(gather_object([ledger.local])))
+    source_stats = gather_object([source.stats()])  # one dict per rank
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = out_dir / "model"
@@ -315,7 +325,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
         unwrapped.student.save_pretrained(final)
         unwrapped.save_projections(final)
         copy_tokenizer(cfg, final)
-        write_metrics(out_dir / "metrics.json", ledger, world, source.stats())
+        write_metrics(out_dir / "metrics.json", ledger, world, source_stats)
         logger.info("saved the student to %s (%d steps, %d samples)", final, step, len(ledger.trained))
     accelerator.end_training()
 
@@ -355,7 +365,8 @@ def copy_tokenizer(cfg: StudentConfig, dest: Path) -> None:
             return
 
 
-def write_metrics(path: Path, ledger: Ledger, world: int, source_stats: dict) -> None:
+def write_metrics(path: Path, ledger: Ledger, world: int, source_stats: list[dict]) -> None:
+    """metrics.json: a summary, one record per optimizer step, and every trained (key, rank, step)."""
     hist = ledger.history
     first = [h["loss"] for h in hist[: max(1, len(hist) // 10)]]
     last = [h["loss"] for h in hist[-max(1, len(hist) // 10) :]]
@@ -367,7 +378,7 @@ def write_metrics(path: Path, ledger: Ledger, world: int, source_stats: dict) ->
         "loss_first": sum(first) / len(first) if hist else math.nan,
         "loss_last": sum(last) / len(last) if hist else math.nan,
         "world_size": world,
-        "source_stats_rank0": source_stats,
+        "source_stats": source_stats,  # per rank: the Subscriber's counters (empty for spool)
     }
     data = {"summary": summary, "steps": hist, "trained": ledger.trained}
     tmp = path.with_suffix(".tmp")

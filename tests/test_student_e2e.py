@@ -1,0 +1,321 @@
+"""Students end to end: real `accelerate launch` (2 gloo ranks on CPU), a live synthetic teacher
+process on real sockets, spool folders, a SIGKILL and a resume.
+
+The teacher is `python -m student.synthetic_teacher`: a tiny Qwen3 (distill/tiny.py) whose forward
+pass gives the hidden states it publishes through distill.transport.Publisher. Its data set is 8
+distinct texts repeated under 128 distinct keys, so that a few dozen optimizer steps can show the
+student learning (with 128 distinct random texts a tiny random teacher is noise to a 2-layer student
+within 32 steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ACCELERATE = str(Path(PY).with_name("accelerate"))
+N_SAMPLES = 128
+LAYERS = [2, 4]  # teacher layer ids sent: a middle layer and the last one (pre-norm, for KL)
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Tiny teacher checkpoint + a JSONL data set of N_SAMPLES rows (8 distinct texts)."""
+    from distill.tiny import build_tiny_model, write_tiny_dataset
+
+    d = tmp_path_factory.mktemp("assets")
+    teacher = build_tiny_model(d / "teacher", hidden_size=128, num_layers=4, vocab_size=1024, seed=0)
+    base = write_tiny_dataset(d / "base.jsonl", 8, seed=3, min_words=5, max_words=30)
+    texts = [json.loads(line)["text"] for line in base.read_text().splitlines()]
+    data = d / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"id": f"s{i:04d}", "text": texts[i % 8]}) + "\n" for i in range(N_SAMPLES))
+    )
+    return {"teacher": teacher, "data": data}
+
+
+def run_file(tmp: Path, assets, port: int, **student) -> Path:
+    """A run file: teacher binds, students connect on `port`; student keys overridden by `student`."""
+    cfg = {
+        "transport": {
+            "bind": [f"tcp://127.0.0.1:{port}"],
+            "connect": [f"tcp://127.0.0.1:{port}"],
+            "credit_samples": 8,
+            "connect_timeout_s": 120,
+            "heartbeat_timeout_s": 3,
+            "shm_dir": str(tmp),
+        },
+        "spool": {"dir": str(tmp / "teacher-spool")},
+        "student": {
+            "from_config": {
+                "model_type": "qwen3",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "vocab_size": 1024,
+                "tie_word_embeddings": False,
+            },
+            "teacher_model": str(assets["teacher"]),
+            "layer_map": [
+                {"student_layer": 1, "teacher_layer": 2, "weight": 1.0},
+                {"student_layer": 2, "teacher_layer": 4, "weight": 1.0},
+            ],
+            "losses": {"nmse": 1.0, "kl": 1.0},
+            "max_tokens_per_batch": 512,
+            "max_samples_per_batch": 2,
+            "idle_flush_s": 0.5,
+            "lr": 1.0e-2,
+            "output_dir": str(tmp / "out"),
+            "log_every": 8,
+            **student,
+        },
+    }
+    p = tmp / "run.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def start_teacher(assets, run: Path, log: Path, *extra: str) -> subprocess.Popen:
+    cmd = [
+        PY,
+        "-m",
+        "student.synthetic_teacher",
+        "--model",
+        str(assets["teacher"]),
+        "--data",
+        str(assets["data"]),
+    ]
+    cmd += ["--layers", ",".join(map(str, LAYERS)), "--config", str(run), "--timeout", "240", *extra]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def start_students(run: Path, log: Path, *sets: str, nproc: int = 2) -> subprocess.Popen:
+    # --multi_gpu + Accelerator(cpu=True) is what gives N gloo ranks on a CPU-only machine (NOTES.md).
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(nproc),
+        "--main_process_port",
+        str(free_port()),
+    ]
+    cmd += ["student.py", "--config", str(run)]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        pytest.fail(f"timed out after {timeout}s; log tail:\n{log.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every descendant. torchrun starts each rank in a session of its own, so
+    killing the launcher's process group would leave the ranks running: collect the tree first."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait()
+    psutil.wait_procs(tree, timeout=10)
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "out" / "metrics.json").read_text())
+
+
+def check_disjoint_once(trained: list, expected_keys: set[str]) -> dict[int, set[str]]:
+    """Every expected key trained exactly once; ranks' shares disjoint and non-empty."""
+    keys = [e[0] for e in trained]
+    assert len(keys) == len(set(keys)), "a sample was trained twice"
+    assert set(keys) == expected_keys
+    by_rank: dict[int, set[str]] = {}
+    for key, rank, _step in trained:
+        by_rank.setdefault(rank, set()).add(key)
+    assert sorted(by_rank) == [0, 1] and all(by_rank.values())
+    assert not (by_rank[0] & by_rank[1])
+    return by_rank
+
+
+def loss_ratio(steps: list[dict], k: int = 5) -> float:
+    first = sum(s["loss"] for s in steps[:k]) / k
+    last = sum(s["loss"] for s in steps[-k:]) / k
+    return last / first
+
+
+@pytest.fixture(scope="module")
+def stream_run(assets, tmp_path_factory):
+    """Two student ranks against one live teacher, trained to the end of the stream."""
+    tmp = tmp_path_factory.mktemp("stream")
+    run = run_file(tmp, assets, free_port(), trackers=["tensorboard"])
+    teacher = start_teacher(assets, run, tmp / "teacher.log")
+    t0 = time.monotonic()
+    students = start_students(run, tmp / "students.log")
+    try:
+        rc = wait(students, 240, tmp / "students.log")
+        elapsed = time.monotonic() - t0
+        assert rc == 0, (tmp / "students.log").read_text()[-4000:]
+        assert wait(teacher, 60, tmp / "teacher.log") == 0, (tmp / "teacher.log").read_text()[-3000:]
+    finally:
+        stop(students)
+        stop(teacher)
+    print(f"stream run: {elapsed:.1f}s")
+    return tmp
+
+
+def test_stream_two_ranks_disjoint_union_and_loss_falls(stream_run, assets):
+    m = metrics(stream_run)
+    expected = {f"s{i:04d}" for i in range(N_SAMPLES)}
+    by_rank = check_disjoint_once(m["trained"], expected)
+    assert m["summary"]["world_size"] == 2
+    assert sum(s["samples"] for s in m["steps"]) == N_SAMPLES
+    # Steps are collective and numbered 1..n once each.
+    assert [s["step"] for s in m["steps"]] == list(range(1, m["summary"]["steps"] + 1))
+    # The teacher saw every sample acknowledged (it exits 0 only then) and its stats say so.
+    tlog = (stream_run / "teacher.log").read_text()
+    stats = json.loads(tlog.rsplit("stats=", 1)[1])
+    assert stats["acked"] == N_SAMPLES and stats["students"] == 2
+    assert [st["received"] for st in m["summary"]["source_stats"]] == [len(by_rank[0]), len(by_rank[1])]
+    # The distillation loss falls clearly.
+    ratio = loss_ratio(m["steps"])
+    print(
+        f"ranks: {len(by_rank[0])} + {len(by_rank[1])} samples; loss {m['steps'][0]['loss']:.3f} -> "
+        f"{m['steps'][-1]['loss']:.3f} (last/first 5 steps {ratio:.2f})"
+    )
+    assert ratio < 0.8, [round(s["loss"], 3) for s in m["steps"]]
+    for term in ("nmse", "kl"):
+        assert m["steps"][-1][term] < m["steps"][0][term]
+
+
+def test_stream_outputs_loadable_model_projections_and_tensorboard(stream_run):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    final = stream_run / "out" / "model"
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+    proj = load_file(str(final / "distill_projections.safetensors"))
+    assert proj["s1_t2.weight"].shape == (128, 64) and proj["s2_t4.weight"].shape == (128, 64)
+    # Trained: the saved projection differs from a fresh Linear's init scale statistics only if
+    # training happened; compare with the checkpoint-free initial state via the loss curve instead,
+    # and here just make sure the files carry finite numbers.
+    assert all(torch.isfinite(v).all() for v in proj.values())
+    events = list((stream_run / "out").rglob("events.out.tfevents*"))
+    assert events, "tensorboard tracker wrote no event file"
+
+
+def test_offline_spool_gives_same_sample_set_as_streaming(stream_run, assets, tmp_path):
+    spool = tmp_path / "spool"
+    subprocess.run(
+        [PY, "-m", "student.synthetic_teacher", "--model", str(assets["teacher"]), "--data", str(assets["data"]),
+         "--layers", ",".join(map(str, LAYERS)), "--spool", str(spool)],
+        cwd=ROOT, check=True, capture_output=True,
+    )  # fmt: skip
+    run = run_file(tmp_path, assets, free_port(), mode="spool", spool_dir=str(spool))
+    students = start_students(run, tmp_path / "students.log")
+    try:
+        assert wait(students, 180, tmp_path / "students.log") == 0, (tmp_path / "students.log").read_text()[
+            -4000:
+        ]
+    finally:
+        stop(students)
+    offline, streamed = metrics(tmp_path), metrics(stream_run)
+    keys = {e[0] for e in streamed["trained"]}
+    by_rank = check_disjoint_once(offline["trained"], keys)
+    assert offline["summary"]["tokens"] == streamed["summary"]["tokens"]
+    # Ranks split the files r, r+W, ...: the share is known in advance.
+    files = sorted(p.name for p in spool.glob("*.safetensors"))
+    assert len(files) == N_SAMPLES and len(by_rank[0]) == len(files[0::2])
+    assert loss_ratio(offline["steps"]) < 0.8
+
+
+def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path):
+    """SIGKILL the students (and the teacher) after a checkpoint; resume with a fresh teacher that
+    sends everything again: the ledger's samples are skipped, the step count continues."""
+    max_steps, every = 20, 4
+    run = run_file(
+        tmp_path, assets, free_port(), max_steps=max_steps, checkpoint_every=every, resume_from="latest"
+    )
+    latest = tmp_path / "out" / "checkpoints" / "latest"
+    teacher = start_teacher(assets, run, tmp_path / "teacher1.log", "--rate", "12")
+    students = start_students(run, tmp_path / "students1.log")
+    try:
+        deadline = time.monotonic() + 180
+        while not (latest.is_file() and int(latest.read_text().split("_")[1]) >= 2 * every):
+            assert students.poll() is None, (tmp_path / "students1.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.1)
+    finally:
+        stop(students)  # SIGKILL the launcher, torchrun and both ranks
+        stop(teacher)
+    killed_at = int(latest.read_text().split("_")[1])
+    ckpt = tmp_path / "out" / "checkpoints" / latest.read_text()
+    assert killed_at < max_steps and not (tmp_path / "out" / "metrics.json").exists()
+    shutil.copytree(ckpt, tmp_path / "ckpt-copy")  # the resumed run must not depend on later files
+
+    from student.ledger import Ledger
+
+    led = Ledger()
+    led.load_state_dict(torch.load(ckpt / "custom_checkpoint_1.pkl", weights_only=False))
+    assert led.step == killed_at and len(led.trained) > 0
+
+    teacher = start_teacher(assets, run, tmp_path / "teacher2.log")
+    students = start_students(run, tmp_path / "students2.log")
+    try:
+        log2 = tmp_path / "students2.log"
+        assert wait(students, 240, log2) == 0, log2.read_text()[-4000:]
+    finally:
+        stop(students)
+        stop(teacher)  # max_steps leaves samples unsent: the teacher would wait for students
+    m = metrics(tmp_path)
+    assert m["summary"]["steps"] == max_steps
+    assert [s["step"] for s in m["steps"]] == list(range(1, max_steps + 1))
+    keys = [e[0] for e in m["trained"]]
+    assert len(keys) == len(set(keys)), "a sample was trained twice across the resume"
+    # The checkpoint's ledger is the prefix of the final one; later steps only add new keys.
+    assert m["trained"][: len(led.trained)] == led.trained
+    assert all(e[2] > killed_at for e in m["trained"][len(led.trained) :])
+    # The fresh teacher redelivered the ledger's samples: the students skipped them (acked, untrained).
+    assert "resumed from" in log2.read_text()
+    skipped = [st["skipped_duplicates"] for st in m["summary"]["source_stats"]]
+    print(f"killed at step {killed_at}; resumed to {max_steps}; ranks skipped {skipped} redelivered samples")
+    # The fresh teacher sends in key order, so every ledger key reached a student before the new ones.
+    assert sum(skipped) == len(led.trained)
