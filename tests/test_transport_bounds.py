@@ -1,0 +1,92 @@
+"""Transport bounds and topologies over real sockets (peers in threads of this process)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from distill.config import SpoolConfig, TransportConfig
+from distill.protocol import Sample
+from distill.spool import list_spool
+from distill.transport import Publisher, Subscriber
+
+KiB = 1024
+
+
+def _wait(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _sample(i: int, kib: int = 64) -> Sample:
+    return Sample(key=f"k{i}", tensors={"hidden_states": torch.full((kib * KiB // 4,), float(i))})
+
+
+def test_memory_bound_holds_when_the_student_stalls(tmp_path):
+    """A student that takes samples but never acks: the teacher holds at most max_buffer_bytes in
+    memory, the rest goes to the spool, and the counts add up."""
+    ep = f"ipc://{tmp_path}/t.sock"
+    budget = 1024 * KiB
+    cfg = TransportConfig(bind=[ep], connect=[ep], max_buffer_bytes=budget, credit_samples=4, shm="off")
+    spool = tmp_path / "spool"
+    with Publisher(cfg, SpoolConfig(dir=str(spool))) as pub, Subscriber(cfg) as sub:
+        assert _wait(lambda: pub.stats()["students"] == 1)
+        peak = 0
+        for i in range(64):  # 64 x 64 KiB = 4 MiB submitted against a 1 MiB budget
+            pub.submit(_sample(i))
+            peak = max(peak, pub.stats()["buffered_bytes"])
+        held = [sub.get(timeout=5) for _ in range(4)]  # the student's whole credit, never acked
+        assert all(s is not None for s in held)
+        assert sub.get(timeout=0.5) is None, "the teacher sent beyond the student's credit"
+        st = pub.stats()
+        assert peak <= budget and st["buffered_bytes"] <= budget
+        assert st["spooled"] > 0 and st["spooled"] + budget // (64 * KiB) >= 64
+        assert len(list_spool(spool)) == st["spooled"]
+        assert st["sent"] == 4
+        # Once the student acks, everything drains: memory first, then the spool.
+        sub.ack(held)
+        pub.close_input()
+        got = 4
+        while True:
+            s = sub.get(timeout=10)
+            if s is None:
+                break
+            got += 1
+            sub.ack(s)
+        assert sub.finished and got == 64
+        assert pub.stats()["acked"] == 64 and list_spool(spool) == []
+
+
+def test_student_reads_from_two_teachers(tmp_path):
+    """A student connected to two teacher endpoints gets every sample of both, and finishes only
+    when both have ended."""
+    eps = [f"ipc://{tmp_path}/a.sock", f"tcp://127.0.0.1:0"]
+    pubs = []
+    for i, ep in enumerate(eps):
+        cfg = TransportConfig(bind=[ep], teacher_id=f"teacher{i}")
+        pubs.append(Publisher(cfg, SpoolConfig(dir=str(tmp_path / f"spool{i}"))).start())
+    connect = [eps[0], pubs[1].endpoints[0]]
+    with Subscriber(TransportConfig(connect=connect)) as sub:
+        assert _wait(lambda: all(p.stats()["students"] == 1 for p in pubs))
+        for i in range(20):
+            pubs[i % 2].submit(_sample(i, kib=4))
+        pubs[0].close_input()
+        keys = []
+        for _ in range(20):
+            s = sub.get(timeout=10)
+            assert s is not None
+            keys.append((s.teacher, s.key))
+            sub.ack(s)
+        assert not sub.finished and sub.get(timeout=0.5) is None  # teacher1 is still open
+        pubs[1].close_input()
+        assert sub.get(timeout=10) is None and sub.finished
+    for p in pubs:
+        assert p.wait_done(5)
+        p.close()
+    assert sorted(k for _, k in keys) == sorted(f"k{i}" for i in range(20))
+    assert {t for t, _ in keys} == {"teacher0", "teacher1"}
