@@ -65,7 +65,7 @@ def test_memory_bound_holds_when_the_student_stalls(tmp_path):
 def test_student_reads_from_two_teachers(tmp_path):
     """A student connected to two teacher endpoints gets every sample of both, and finishes only
     when both have ended."""
-    eps = [f"ipc://{tmp_path}/a.sock", f"tcp://127.0.0.1:0"]
+    eps = [f"ipc://{tmp_path}/a.sock", "tcp://127.0.0.1:0"]
     pubs = []
     for i, ep in enumerate(eps):
         cfg = TransportConfig(bind=[ep], teacher_id=f"teacher{i}")
