@@ -1,0 +1,302 @@
+"""Student pieces in process (batching, layer selection, config, model) and its clear errors as a user
+sees them: a real `student.py` process exits with one readable line, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import yaml
+import zmq
+
+from distill.config import ConfigError
+from distill.protocol import Sample
+from distill.spool import write_sample
+from student.config import load_student_config
+from student.data import (
+    StudentError,
+    TokenBudgetBatcher,
+    check_sample,
+    collate,
+    layer_index,
+    next_micro_batch,
+)
+from student.ledger import Ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ACCELERATE = str(Path(PY).with_name("accelerate"))
+
+
+def sample(key: str, n: int, layers=(2, 4), hidden=8, seed=0) -> Sample:
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(n, len(layers), hidden, generator=g).to(torch.bfloat16)
+    return Sample(
+        key=key, tensors={"hidden_states": hs, "token_ids": torch.arange(n) + 1}, layers=list(layers)
+    )
+
+
+# --- batching ---------------------------------------------------------------------------------------
+
+
+def test_token_budget_batcher_respects_budget_and_order():
+    b = TokenBudgetBatcher(max_tokens=20)
+    out = []
+    for i, n in enumerate([5, 5, 5, 5, 3, 12, 30, 2]):
+        ready = b.push(sample(f"k{i}", n))
+        if ready:
+            out.append(ready)
+    out.append(b.flush())
+    keys = [[s.key for s in batch] for batch in out]
+    assert keys == [["k0", "k1", "k2", "k3"], ["k4"], ["k5"], ["k6"], ["k7"]]  # 2 x 12 > 20
+    for batch in out:  # padded size within budget, except a sample longer than the budget alone
+        padded = len(batch) * max(s.num_tokens for s in batch)
+        assert padded <= 20 or len(batch) == 1
+    assert b.flush() == []
+
+
+def test_batcher_max_samples_and_full():
+    b = TokenBudgetBatcher(max_tokens=1000, max_samples=2)
+    assert b.push(sample("a", 3)) is None and not b.full
+    assert b.push(sample("b", 3)) is None and b.full
+    assert [s.key for s in b.push(sample("c", 3))] == ["a", "b"]
+
+
+def test_collate_pads_masks_selects_layers_and_copies():
+    s1, s2 = sample("a", 5, layers=(0, 2, 4)), sample("b", 3, layers=(4, 2), seed=1)
+    batch = collate([s1, s2], [2, 4])
+    assert batch.input_ids.shape == (2, 5) and batch.teacher.shape == (2, 5, 2, 8)
+    assert batch.mask.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    assert batch.teacher.dtype == torch.float32
+    # Layer ids are looked up by id, not position: s2 sends [4, 2].
+    torch.testing.assert_close(batch.teacher[0, :, 0], s1.tensors["hidden_states"][:, 1].float())
+    torch.testing.assert_close(batch.teacher[1, :3, 0], s2.tensors["hidden_states"][:, 1].float())
+    torch.testing.assert_close(batch.teacher[1, :3, 1], s2.tensors["hidden_states"][:, 0].float())
+    assert torch.all(batch.teacher[1, 3:] == 0) and torch.all(batch.input_ids[1, 3:] == 0)
+    # Copies: the batch survives the sample's buffers (zero-copy views die at ack).
+    s1.tensors["hidden_states"].zero_()
+    assert batch.teacher[0].abs().sum() > 0
+
+
+def test_missing_layer_and_hidden_size_errors_are_clear():
+    s = sample("a", 4, layers=(2, 4))
+    with pytest.raises(StudentError, match=r"sends layers \[2, 4\].*needs teacher layer\(s\) \[3\]"):
+        layer_index(s, [2, 3])
+    with pytest.raises(StudentError, match="teacher hidden size 8, the config says 16"):
+        check_sample(s, [2, 4], 16)
+    check_sample(s, [4], 8)
+
+
+class _ListSource:
+    def __init__(self, samples):
+        self.samples = list(samples)
+        self.draining = True
+        self.exhausted = False
+
+    def get(self, timeout=0.0):
+        if not self.samples:
+            self.exhausted = True
+            return None
+        return self.samples.pop(0)
+
+
+def test_next_micro_batch_flushes_at_end():
+    src = _ListSource([sample(f"k{i}", 4) for i in range(5)])
+    b = TokenBudgetBatcher(max_tokens=8)
+    got = [next_micro_batch(src, b, 0.5) for _ in range(4)]
+    assert [[s.key for s in x] for x in got] == [["k0", "k1"], ["k2", "k3"], ["k4"], []]
+    assert src.exhausted
+
+
+def test_ledger_roundtrip():
+    led = Ledger()
+    led.record(["a", "b"], 0, 1)
+    assert led.keys() == {"a", "b"}
+    led.merge([["a", 0, 1], ["b", 0, 1], ["c", 1, 1]])
+    led.step = 1
+    other = Ledger()
+    other.load_state_dict(led.state_dict())
+    assert other.keys() == {"a", "b", "c"} and other.step == 1
+
+
+# --- config -----------------------------------------------------------------------------------------
+
+BASE = {
+    "from_config": {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 2},
+    "teacher_hidden_size": 64,
+    "layer_map": [{"student_layer": 1, "teacher_layer": 2}],
+}
+
+
+def _load(tmp_path, student, *sets):
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump({"student": student}))
+    return load_student_config(str(p), list(sets))
+
+
+def test_config_loads_and_overrides(tmp_path):
+    cfg, run = _load(tmp_path, BASE, "student.lr=0.5", "student.losses.kl=0")
+    assert cfg.lr == 0.5 and cfg.losses.nmse == 1.0 and run.transport.connect
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"layr_map": []}, "unknown key 'student.layr_map'"),
+        ({"losses": {"kl": 1.0}}, "needs 'teacher_model'"),
+        ({"lr_schedule": "cosine"}, "needs max_steps"),
+        ({"model": "x"}, "exactly one of 'model'"),
+        ({"layer_map": []}, "'layer_map' is empty"),
+        ({"losses": {"nmse": 0}}, "nothing to train"),
+        ({"projection": "sometimes"}, "student.projection"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _load(tmp_path, {**BASE, **change})
+
+
+# --- model ------------------------------------------------------------------------------------------
+
+
+def test_student_prenorm_last_layer_and_projection():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from student.model import DistillModel
+
+    torch.manual_seed(0)
+    conf = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=50)  # fmt: skip
+    lm = Qwen3ForCausalLM(conf)
+    m = DistillModel(lm, [(1, 3), (2, 5)], teacher_hidden=48, projection="auto")
+    ids = torch.randint(0, 50, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    logits, mapped = m(ids, mask)
+    assert logits.shape == (2, 6, 50) and [h.shape for h in mapped] == [(2, 6, 48)] * 2
+    # Id 2 = last layer BEFORE the final norm: norm(it) is transformers' hidden_states[2].
+    out = lm(input_ids=ids, output_hidden_states=True)
+    pre = torch.linalg.lstsq(
+        m.projections["s2_t5"].weight, (mapped[1] - m.projections["s2_t5"].bias).reshape(-1, 48).T
+    )
+    prenorm = pre.solution.T.reshape(2, 6, 32)
+    torch.testing.assert_close(lm.model.norm(prenorm), out.hidden_states[2], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(prenorm, out.hidden_states[2], atol=1e-2)
+    with pytest.raises(StudentError, match="projection is 'never'"):
+        DistillModel(lm, [(1, 3)], teacher_hidden=48, projection="never")
+    assert len(DistillModel(lm, [(1, 3)], teacher_hidden=32, projection="auto").projections) == 0
+
+
+def test_teacher_head_matches_teacher_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from distill.tiny import build_tiny_model
+    from student.model import TeacherHead
+
+    path = build_tiny_model(tmp_path / "t", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                            vocab_size=300, intermediate_size=64)  # fmt: skip
+    teacher = AutoModelForCausalLM.from_pretrained(path)
+    head = TeacherHead.from_checkpoint(str(path))
+    grab = {}
+    teacher.model.norm.register_forward_pre_hook(lambda mod, a: grab.__setitem__("h", a[0]))
+    ids = torch.randint(0, 300, (1, 9))
+    with torch.no_grad():
+        logits = teacher(input_ids=ids).logits
+    torch.testing.assert_close(head(grab["h"]), logits, atol=1e-4, rtol=1e-4)
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+# --- clear errors from a real student process -------------------------------------------------------
+
+TINY_STUDENT = {
+    "from_config": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 64},
+    "teacher_hidden_size": 8,
+    "layer_map": [{"student_layer": 1, "teacher_layer": 2}],
+    "max_tokens_per_batch": 64,
+}  # fmt: skip
+
+
+def run_student(tmp_path, student: dict, transport: dict | None = None, nproc: int = 1, timeout=120):
+    cfg = {"student": {"output_dir": str(tmp_path / "out"), **student}}
+    if transport:
+        cfg["transport"] = transport
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    if nproc == 1:
+        cmd = [PY, "student.py", "--config", str(p)]
+    else:
+        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(nproc), "--main_process_port", "0"]
+        cmd += ["student.py", "--config", str(p)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _assert_clear(proc, message):
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split("student error:")[0].split("\n")[-1]
+    line = [x for x in proc.stderr.splitlines() if x.startswith("student error:")]
+    assert line, proc.stderr[-3000:]
+
+
+def test_empty_spool_folder_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run_student(tmp_path, {**TINY_STUDENT, "mode": "spool", "spool_dir": str(tmp_path / "empty")})
+    _assert_clear(proc, "has no *.safetensors files")
+    assert "Traceback" not in proc.stderr
+
+
+def test_hidden_size_mismatch_without_projection_is_a_clear_error(tmp_path):
+    proc = run_student(tmp_path, {**TINY_STUDENT, "projection": "never", "mode": "spool", "spool_dir": "x"})
+    _assert_clear(proc, "student hidden size 32 != teacher hidden size 8")
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_missing_teacher_layer_stops_both_ranks_clearly(tmp_path):
+    # Files go to ranks in name order (k0, k2, k4 -> rank 0): only rank 1's samples lack layer 3.
+    spool = tmp_path / "spool"
+    for i in range(6):
+        write_sample(spool, sample(f"k{i}", 5, layers=(2, 3) if i % 2 == 0 else (2, 4)))
+    student = {**TINY_STUDENT, "layer_map": [{"student_layer": 1, "teacher_layer": 3}], "mode": "spool",
+               "spool_dir": str(spool)}  # fmt: skip
+    proc = run_student(tmp_path, student, nproc=2, timeout=180)
+    assert proc.returncode != 0
+    assert "the teacher sends layers [2, 4] but the student needs teacher layer(s) [3]" in proc.stderr
+    # Rank 0 had good data: it learns of the failure through the collective flag and stops too
+    # (no hang in the next all-reduce).
+    assert "another rank stopped with an error" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_teacher_protocol_version_mismatch_is_a_clear_error(tmp_path):
+    """A fake teacher on a real socket answers HELLO with a message of protocol version 99."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def fake_teacher():
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(100):
+                ident, *_ = router.recv_multipart()
+                router.send_multipart([ident, msgpack.packb({"v": 99, "k": 3, "tid": "future"})])
+
+    th = threading.Thread(target=fake_teacher, daemon=True)
+    th.start()
+    try:
+        ep = f"tcp://127.0.0.1:{port}"
+        proc = run_student(tmp_path, {**TINY_STUDENT, "idle_flush_s": 0.2}, {"connect": [ep], "bind": [ep]})
+    finally:
+        stop.set()
+        th.join()
+        router.close(linger=0)
+    _assert_clear(proc, "protocol version")
+    assert "Traceback" not in proc.stderr
