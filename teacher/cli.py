@@ -91,11 +91,10 @@ class Stop:
 
 
 def preflight(cfg: TeacherConfig) -> int:
-    """Checks that need no vLLM. Returns num_hidden_layers. Raises ConfigError."""
+    """Checks that need no vLLM. Returns the number of dataset rows used. Raises ConfigError."""
     num_layers = model_num_layers(cfg.model)
     check_layer_ids(cfg.layer_ids, num_layers)
-    check_dataset(cfg)
-    return num_layers
+    return check_dataset(cfg)
 
 
 def build_llm(cfg: TeacherConfig, conn: ConnectorConfig):
@@ -139,7 +138,7 @@ def shutdown_llm(llm, timeout_s: float) -> None:
             core.shutdown()
 
 
-def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_layers: int) -> int:
+def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_rows: int) -> int:
     from tqdm import tqdm
 
     from teacher.data import Prompter
@@ -202,7 +201,8 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
     n_bytes = 0
     too_long = 0
     t0 = time.monotonic()
-    bar = tqdm(unit="sample", dynamic_ncols=True)
+    bar = tqdm(total=num_rows, unit="sample", dynamic_ncols=True)
+    shown_skipped = 0
     interrupted = False
     try:
         window = first_window
@@ -241,7 +241,8 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
                 n_tokens += n
                 n_bytes += n * bytes_per_token
                 submitted.append(key)
-            bar.update(len(window))
+            bar.update(len(window) + skipped - shown_skipped)  # rows run + rows found done
+            shown_skipped = skipped
             dt = max(time.monotonic() - t0, 1e-9)
             bar.set_postfix_str(
                 f"{len(submitted) / dt:.1f} samples/s, {n_tokens / dt:.0f} tok/s, "
@@ -333,12 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides = dict(parse_override(s) for s in args.set)
         runfile = load_run_file(args.config, overrides)
         cfg = load_teacher_config(runfile.teacher)
-        num_layers = preflight(cfg)
+        num_rows = preflight(cfg)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return 2
     try:
-        return run(cfg, runfile.transport, runfile.spool, num_layers)
+        return run(cfg, runfile.transport, runfile.spool, num_rows)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return 2

@@ -121,11 +121,13 @@ def iter_rows(cfg: TeacherConfig) -> Iterator[tuple[str, dict[str, Any]]]:
         yield key, row
 
 
-def check_dataset(cfg: TeacherConfig) -> None:
-    """Fail before vLLM starts when the dataset cannot be read or has no usable row."""
-    for _ in iter_rows(cfg):
-        return
-    raise ConfigError(f"teacher.dataset: {cfg.dataset!r} has no rows")
+def check_dataset(cfg: TeacherConfig) -> int:
+    """Read the dataset through once (rows only, no tokenizing) so that a bad row, a duplicate key
+    or an unreadable file fails before vLLM starts. Returns the number of rows used."""
+    n = sum(1 for _ in iter_rows(cfg))
+    if n == 0:
+        raise ConfigError(f"teacher.dataset: {cfg.dataset!r} has no rows")
+    return n
 
 
 class Prompter:

@@ -1,0 +1,178 @@
+"""`distill-teacher` end to end (real vLLM in real processes) and its start-up errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distill.config import ConfigError
+from distill.spool import list_spool, read_spool_file, spool_name
+from distill.tiny import build_tiny_model, write_tiny_dataset
+from teacher.cli import main
+from teacher.config import ConnectorConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "teacher.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teacher_cli")
+    model = build_tiny_model(root / "tiny")
+    data = write_tiny_dataset(root / "d.jsonl", 8, seed=7)
+    return root, model, data
+
+
+def _config(root: Path, model: Path, data: Path, **teacher) -> Path:
+    port = _free_port()
+    cfg = {
+        "teacher": {
+            "model": str(model),
+            "dtype": "float32",
+            "max_model_len": 512,
+            "layer_ids": [1, 2, 4],
+            "enforce_eager": True,
+            "cpu_kvcache_space_gib": 1,
+            "dataset": str(data),
+            "journal": str(root / "journal.txt"),
+            "window": 3,
+            **teacher,
+        },
+        # No student will connect: spool at once instead of holding samples in memory.
+        "transport": {"bind": [f"tcp://127.0.0.1:{port}"], "connect_timeout_s": 0},
+        "spool": {"dir": str(root / "spool")},
+    }
+    p = root / f"run-{port}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _run(config: Path, *sets: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    args = [*CLI, "--config", str(config)]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# With vLLM: no student, everything spools; a restart sends nothing twice.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_no_student_spools_every_sample_and_resume_skips_done(assets, tmp_path):
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    _, model, data = assets
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    cfg = _config(tmp_path, model, data)
+    spool = tmp_path / "spool"
+
+    r = _run(cfg, "teacher.max_samples=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "spooled 4" in r.stderr
+    files = list_spool(spool)
+    assert len(files) == 4
+    tok = AutoTokenizer.from_pretrained(model)
+    for row in rows[:4]:
+        path = spool / spool_name(row["id"])
+        d = load_hidden_states(str(path))  # vLLM's own reader (takes the shared flock)
+        ids = tok(row["text"])["input_ids"]
+        assert d["token_ids"].tolist() == ids
+        assert d["hidden_states"].shape == (len(ids), 3, 128)
+        s = read_spool_file(path)
+        assert s.key == row["id"] and s.layers == [1, 2, 4]
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files}
+
+    # A student acked row 4 in the meantime (journal), rows 0-3 are in the spool: only row 5 runs.
+    (tmp_path / "journal.txt").write_text(rows[4]["id"] + "\n")
+    r = _run(cfg, "teacher.max_samples=6")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 samples" in r.stderr and "already done 5" in r.stderr
+    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in list_spool(spool)}
+    assert set(after) == set(before) | {spool_name(rows[5]["id"])}
+    assert all(after[n] == before[n] for n in before)  # nothing re-sent
+    assert not (spool / spool_name(rows[4]["id"])).exists()
+    assert not [p for p in spool.iterdir() if p.name.endswith(".tmp")]
+
+    # Everything done: exits at once, without starting vLLM.
+    t = time.monotonic()
+    r = _run(cfg, "teacher.max_samples=6")
+    assert r.returncode == 0 and "nothing to do" in r.stderr
+    assert "EngineCore" not in r.stderr and time.monotonic() - t < 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up errors: clear, one line, before vLLM starts (no vLLM needed).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("teacher.model=/nonexistent/model", "teacher.model: '/nonexistent/model' is not a folder"),
+        (
+            "teacher.layer_ids=[1,5]",
+            "teacher.layer_ids: [5] out of range for a model with num_hidden_layers=4",
+        ),
+        ("teacher.enable_chunked_prefill=true", "enable_chunked_prefill must be false"),
+        ("teacher.dataset=/nonexistent.jsonl", "teacher.dataset: '/nonexistent.jsonl' does not exist"),
+        ("teacher.layerids=[1]", "unknown key 'teacher.layerids'"),
+        ("teacher.max_tokens=0", "'teacher.max_tokens'"),
+        ("transport.bind=[nope]", "must start with tcp://"),
+    ],
+)
+def test_config_errors_are_clear(assets, tmp_path, capsys, override, expected):
+    _, model, data = assets
+    cfg = _config(tmp_path, model, data)
+    assert main(["--config", str(cfg), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert err.startswith("distill-teacher: error: ") and "Traceback" not in err
+
+
+def test_unreadable_dataset_and_no_traceback(assets, tmp_path):
+    _, model, _ = assets
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "text": "fine"}\nnot json\n')
+    cfg = _config(tmp_path, model, bad)
+    r = _run(cfg)
+    assert r.returncode == 2
+    assert "bad.jsonl:2 is not valid JSON" in r.stderr
+    assert "Traceback" not in r.stderr and "EngineCore" not in r.stderr  # failed before vLLM started
+
+
+def test_missing_config_file(capsys):
+    assert main(["--config", "/nonexistent.yaml"]) == 2
+    assert "config file '/nonexistent.yaml' not found" in capsys.readouterr().err
+
+
+def test_connector_extra_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.mode"):
+        ConnectorConfig.from_extra({"mode": "fast"})
+    with pytest.raises(ConfigError, match=r"unknown key 'kv_connector_extra_config\.shared_storage_path'"):
+        ConnectorConfig.from_extra({"shared_storage_path": "/tmp"})
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.transport\.credit_samples"):
+        ConnectorConfig.from_extra({"transport": {"credit_samples": 0}})
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"transport": {"bind": ["tcp://127.0.0.1:7001"]}, "spool": {"dir": "x"}}))
+    cfg = ConnectorConfig.from_extra({"run_file": str(run), "spool": {"keep": True}})
+    assert cfg.transport.bind == ["tcp://127.0.0.1:7001"] and cfg.spool.dir == "x" and cfg.spool.keep
