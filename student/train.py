@@ -203,116 +203,123 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             accelerator.backward(loss * weight)
         return loss.detach(), terms
 
-    while not stop:
-        # 1. Every rank fills a micro-batch from its own source (empty after idle_flush_s).
-        samples = []
-        try:
-            samples = next_micro_batch(source, batcher, cfg.idle_flush_s)
-            for s in samples:
-                check_sample(s, layer_ids, teacher_hidden)
-        except StudentError as e:
-            error, samples = str(e), []
-        # Belt and braces: the Subscriber already skips the ledger's keys it was given and keys
-        # this rank acked; a copy of one trained here since (or merged at a checkpoint) is acked
-        # without training.
-        seen = [s for s in samples if s.key in trained_keys]
-        if seen:
-            source.ack(seen)
-            samples = [s for s in samples if s.key not in trained_keys]
-        tokens = sum(s.num_tokens for s in samples)
-        done_here = source.exhausted and not batcher.pending
-        # 2. Agree: ranks with data, global tokens, ranks finished, ranks failed.
-        flags = torch.tensor([len(samples) > 0, tokens, done_here, bool(error)], dtype=torch.float64)
-        flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum").cpu()
-        if flags[3] > 0:
-            raise StudentError(error or "another rank stopped with an error (see its message above)")
-        any_data, global_tokens, all_done = flags[0] > 0, float(flags[1]), int(flags[2]) == world
+    try:
+        while not stop:
+            # 1. Every rank fills a micro-batch from its own source (empty after idle_flush_s).
+            samples = []
+            try:
+                samples = next_micro_batch(source, batcher, cfg.idle_flush_s)
+                for s in samples:
+                    check_sample(s, layer_ids, teacher_hidden)
+            except StudentError as e:
+                error, samples = str(e), []
+            # Belt and braces: the Subscriber already skips the ledger's keys it was given and keys
+            # this rank acked; a copy of one trained here since (or merged at a checkpoint) is acked
+            # without training.
+            seen = [s for s in samples if s.key in trained_keys]
+            if seen:
+                source.ack(seen)
+                samples = [s for s in samples if s.key not in trained_keys]
+            tokens = sum(s.num_tokens for s in samples)
+            done_here = source.exhausted and not batcher.pending
+            # 2. Agree: ranks with data, global tokens, ranks finished, ranks failed.
+            flags = torch.tensor([len(samples) > 0, tokens, done_here, bool(error)], dtype=torch.float64)
+            flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum").cpu()
+            if flags[3] > 0:
+                raise StudentError(error or "another rank stopped with an error (see its message above)")
+            any_data, global_tokens, all_done = flags[0] > 0, float(flags[1]), int(flags[2]) == world
 
-        # 3. Forward/backward. Each rank's loss is weighted by its share of the step's tokens, so
-        #    DDP's mean over ranks is the token-weighted mean; a rank without data weighs 0.
-        if any_data:
-            batch = collate(samples, layer_ids) if samples else empty_batch(layer_ids, teacher_hidden)
-            boundary = micro + 1 >= cfg.grad_accum_steps
-            weight = tokens * world / global_tokens
-            loss, terms = backward(batch.to(accelerator.device), weight, sync=boundary)
-            synced = boundary
-            micro += 1
-            pending.extend(samples)
-            for i, k in enumerate(TERMS):
-                if k in terms:
-                    acc[i] += float(terms[k]) * tokens
-            acc[len(TERMS)] += float(loss) * tokens
-            acc[len(TERMS) + 1] += tokens
-            acc[len(TERMS) + 2] += len(samples)
+            # 3. Forward/backward. Each rank's loss is weighted by its share of the step's tokens, so
+            #    DDP's mean over ranks is the token-weighted mean; a rank without data weighs 0.
+            if any_data:
+                batch = collate(samples, layer_ids) if samples else empty_batch(layer_ids, teacher_hidden)
+                boundary = micro + 1 >= cfg.grad_accum_steps
+                weight = tokens * world / global_tokens
+                loss, terms = backward(batch.to(accelerator.device), weight, sync=boundary)
+                synced = boundary
+                micro += 1
+                pending.extend(samples)
+                for i, k in enumerate(TERMS):
+                    if k in terms:
+                        acc[i] += float(terms[k]) * tokens
+                acc[len(TERMS)] += float(loss) * tokens
+                acc[len(TERMS) + 1] += tokens
+                acc[len(TERMS) + 2] += len(samples)
 
-        # 4. Optimizer step: after grad_accum_steps micro-batches, or earlier when no rank had data
-        #    (idle teacher, end of stream): holding samples unacked would starve the teacher's credit.
-        if micro and (micro >= cfg.grad_accum_steps or not any_data or all_done):
-            if not synced:  # the last backward was local: a zero-weight synced one all-reduces the sum
-                backward(empty_batch(layer_ids, teacher_hidden).to(accelerator.device), 0.0, sync=True)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(micro)  # mean over micro-batches
-            if cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            # Only now may the teacher forget these samples: the step that used them is done.
-            source.ack(pending)
-            ledger.record([s.key for s in pending], rank, step)
-            trained_keys.update(s.key for s in pending)
-            pending, micro, synced = [], 0, True
+            # 4. Optimizer step: after grad_accum_steps micro-batches, or earlier when no rank had data
+            #    (idle teacher, end of stream): holding samples unacked would starve the teacher's credit.
+            if micro and (micro >= cfg.grad_accum_steps or not any_data or all_done):
+                if not synced:  # the last backward was local: a zero-weight synced one all-reduces the sum
+                    backward(empty_batch(layer_ids, teacher_hidden).to(accelerator.device), 0.0, sync=True)
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(micro)  # mean over micro-batches
+                if cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                # Only now may the teacher forget these samples: the step that used them is done.
+                source.ack(pending)
+                ledger.record([s.key for s in pending], rank, step)
+                trained_keys.update(s.key for s in pending)
+                pending, micro, synced = [], 0, True
 
-            # Metrics: global token-weighted means (one all-reduce per step).
-            wait = source.wait_s - wait_mark
-            wait_mark = source.wait_s
-            tot = accelerator.reduce(
-                torch.cat([acc, torch.tensor([wait])]).to(accelerator.device), "sum"
-            ).cpu()
-            n_tok = float(tot[len(TERMS) + 1]) or 1.0
-            rec = {"step": step, "loss": float(tot[len(TERMS)]) / n_tok}
-            rec.update({k: float(tot[i]) / n_tok for i, k in enumerate(TERMS) if getattr(cfg.losses, k) > 0})
-            rec.update(
-                samples=int(tot[len(TERMS) + 2]),
-                tokens=int(tot[len(TERMS) + 1]),
-                wait_s=float(tot[-1]) / world,
-                lr=scheduler.get_last_lr()[0],
-                time=time.time(),
-            )
-            ledger.history.append(rec)
-            ledger.step = step
-            acc.zero_()
-            tok_log += rec["tokens"]
-            smp_log += rec["samples"]
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}")
-            if step % cfg.log_every == 0:
-                dt = max(time.perf_counter() - t_log, 1e-9)
-                terms_txt = " ".join(f"{k}={rec[k]:.4f}" for k in TERMS if k in rec)
-                logger.info(
-                    "step %d loss=%.4f %s | %.1f samples/s %.0f tokens/s | waiting for teacher %.2fs/step",
-                    step,
-                    rec["loss"],
-                    terms_txt,
-                    smp_log / dt,
-                    tok_log / dt,
-                    rec["wait_s"],
+                # Metrics: global token-weighted means (one all-reduce per step).
+                wait = source.wait_s - wait_mark
+                wait_mark = source.wait_s
+                tot = accelerator.reduce(
+                    torch.cat([acc, torch.tensor([wait])]).to(accelerator.device), "sum"
+                ).cpu()
+                n_tok = float(tot[len(TERMS) + 1]) or 1.0
+                rec = {"step": step, "loss": float(tot[len(TERMS)]) / n_tok}
+                rec.update(
+                    {k: float(tot[i]) / n_tok for i, k in enumerate(TERMS) if getattr(cfg.losses, k) > 0}
                 )
-                t_log, tok_log, smp_log = time.perf_counter(), 0.0, 0.0
-            if cfg.trackers:
-                accelerator.log(
-                    {f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")}, step=step
+                rec.update(
+                    samples=int(tot[len(TERMS) + 2]),
+                    tokens=int(tot[len(TERMS) + 1]),
+                    wait_s=float(tot[-1]) / world,
+                    lr=scheduler.get_last_lr()[0],
+                    time=time.time(),
                 )
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                save_checkpoint(accelerator, ledger, ckpt_dir, step)
-                trained_keys |= ledger.keys()  # now includes the other ranks' keys
-            if cfg.max_steps is not None and step >= cfg.max_steps:
+                ledger.history.append(rec)
+                ledger.step = step
+                acc.zero_()
+                tok_log += rec["tokens"]
+                smp_log += rec["samples"]
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}")
+                if step % cfg.log_every == 0:
+                    dt = max(time.perf_counter() - t_log, 1e-9)
+                    terms_txt = " ".join(f"{k}={rec[k]:.4f}" for k in TERMS if k in rec)
+                    logger.info(
+                        "step %d loss=%.4f %s | %.1f samples/s %.0f tokens/s | waiting for teacher %.2fs/step",
+                        step,
+                        rec["loss"],
+                        terms_txt,
+                        smp_log / dt,
+                        tok_log / dt,
+                        rec["wait_s"],
+                    )
+                    t_log, tok_log, smp_log = time.perf_counter(), 0.0, 0.0
+                if cfg.trackers:
+                    accelerator.log(
+                        {f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")}, step=step
+                    )
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    save_checkpoint(accelerator, ledger, ckpt_dir, step)
+                    trained_keys |= ledger.keys()  # now includes the other ranks' keys
+                if cfg.max_steps is not None and step >= cfg.max_steps:
+                    break
+            if all_done:
                 break
-        if all_done:
-            break
-    bar.close()
+    except BaseException:
+        source.close()  # says BYE: the teacher redelivers what this rank held, at once
+        raise
+    finally:
+        bar.close()  # before any error message, so it starts on a line of its own
 
     # --- the end: unacked samples go back to the teacher, the student is saved ---
     source.close()
