@@ -176,3 +176,78 @@ def test_connector_extra_config_errors_name_the_key(tmp_path):
     run.write_text(yaml.safe_dump({"transport": {"bind": ["tcp://127.0.0.1:7001"]}, "spool": {"dir": "x"}}))
     cfg = ConnectorConfig.from_extra({"run_file": str(run), "spool": {"keep": True}})
     assert cfg.transport.bind == ["tcp://127.0.0.1:7001"] and cfg.spool.dir == "x" and cfg.spool.keep
+
+
+# ---------------------------------------------------------------------------------------------
+# With vLLM and a student process: SIGTERM mid-run, restart; every sample arrives exactly once.
+# ---------------------------------------------------------------------------------------------
+
+RECEIVER = """
+import json, sys
+from distill.config import TransportConfig
+from distill.transport import Subscriber
+cfg = TransportConfig(connect=[sys.argv[1]], heartbeat_timeout_s=30, shm="off")
+with Subscriber(cfg) as sub, open(sys.argv[2], "a", buffering=1) as out:
+    for s in sub:
+        out.write(json.dumps([s.key, int(s.tensors["token_ids"].shape[0]), list(s.layers)]) + "\\n")
+        sub.ack(s)
+"""
+
+
+def _receiver(endpoint: str, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", RECEIVER, endpoint, str(out)], cwd=ROOT)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_student_process_sigterm_and_restart_deliver_each_sample_once(assets, tmp_path):
+    pytest.importorskip("vllm")
+    import signal
+
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 48, seed=11)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    cfg = _config(tmp_path, model, data, window=1)
+    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+    journal = tmp_path / "journal.txt"
+    got1, got2 = tmp_path / "got1.jsonl", tmp_path / "got2.jsonl"
+
+    rec = _receiver(ep, got1)
+    teacher = subprocess.Popen(
+        [*CLI, "--config", str(cfg), "--set", "transport.connect_timeout_s=120"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and teacher.poll() is None:
+            if journal.exists() and len(journal.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.05)
+        teacher.send_signal(signal.SIGTERM)
+        out1, _ = teacher.communicate(timeout=120)
+    finally:
+        if teacher.poll() is None:
+            teacher.kill()
+        rec.terminate()
+        rec.wait(timeout=30)
+    assert teacher.returncode in (0, 130), out1[-3000:]
+    assert "Traceback" not in out1
+    first = [json.loads(x)[0] for x in got1.read_text().splitlines()]
+    assert len(first) == len(set(first)) >= 4
+
+    # Restart: keys acked in the journal are not run again; spooled ones are replayed, the rest run.
+    rec = _receiver(ep, got2)
+    try:
+        r = _run(cfg, "transport.connect_timeout_s=120")
+        assert r.returncode == 0, r.stderr[-3000:]
+        rec.wait(timeout=60)  # the teacher's END ends the receiver's loop
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+    second = [json.loads(x)[0] for x in got2.read_text().splitlines()]
+    assert sorted(first + second) == sorted(keys), "every sample exactly once across the two runs"
+    assert set(journal.read_text().split()) == set(keys)
+    assert list_spool(tmp_path / "spool") == []  # all acked: spool files removed
