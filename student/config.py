@@ -104,6 +104,8 @@ class StudentConfig(Strict):
     checkpoint_every: int = Field(0, ge=0)
     # Default: <output_dir>/checkpoints.
     checkpoint_dir: str | None = None
+    # Keep only the newest N checkpoints (0 = keep all).
+    checkpoint_keep: int = Field(2, ge=0)
     # Resume from a checkpoint folder, or "latest" (the newest in checkpoint_dir; fresh start if none).
     resume_from: str | None = None
     # Log every N optimizer steps (main process).

@@ -309,7 +309,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                         {f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")}, step=step
                     )
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    save_checkpoint(accelerator, ledger, ckpt_dir, step)
+                    save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
                     trained_keys |= ledger.keys()  # now includes the other ranks' keys
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
@@ -342,7 +342,7 @@ def flatten(gathered: list) -> list:
     return [e for per_rank in gathered for e in per_rank]
 
 
-def save_checkpoint(accelerator: Accelerator, ledger: Ledger, ckpt_dir: Path, step: int) -> None:
+def save_checkpoint(accelerator: Accelerator, ledger: Ledger, ckpt_dir: Path, step: int, keep: int) -> None:
     """save_state (model, optimizer, RNG, scheduler, ledger), then point `latest` at it atomically."""
     ledger.merge(flatten(gather_object([ledger.local])))  # every rank now holds every rank's keys
     path = ckpt_dir / f"step_{step:07d}"
@@ -353,6 +353,9 @@ def save_checkpoint(accelerator: Accelerator, ledger: Ledger, ckpt_dir: Path, st
         tmp.write_text(path.name)
         os.replace(tmp, ckpt_dir / "latest")
         logger.info("checkpoint %s (%d samples in the ledger)", path, len(ledger.trained))
+        if keep:  # only after `latest` points at the new one
+            for old in sorted(ckpt_dir.glob("step_*"))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
 
 
