@@ -175,6 +175,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
         self._closed = False
 
+    def get_finished_count(self) -> int:
+        """Only TP rank 0 reports "finished sending" (vLLM 0.26's reference lacks this: with
+        TP > 1 the scheduler would wait for every rank and leak the blocks)."""
+        return 1
+
     # ==============================
     # Scheduler-side methods
     # ==============================
@@ -215,6 +220,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         elif self.cfg.include_output_tokens and kv_params is None:
             request.kv_transfer_params = {"include_output_tokens": True}
         info = self._req_info.pop(request.request_id, None)
+        if request.request_id not in self._request_filenames:
+            return False, None  # aborted before it was scheduled (vLLM 0.26 would raise KeyError)
         delay, _ = super().request_finished(request, block_ids)
         if not delay or info is None:
             return delay, None
