@@ -98,6 +98,9 @@ class StudentConfig(Strict):
     mode: Literal["stream", "spool"] = "stream"
     # Spool folder for mode=spool; default: the run file's spool.dir.
     spool_dir: str | None = None
+    # Layer ids of `hidden_states` in spool files that do not record them (vLLM's own
+    # ExampleHiddenStatesConnector writes none: give its eagle_aux_hidden_state_layer_ids, in order).
+    spool_layers: list[int] | None = None
     # Final model, metrics.json and tracker logs go here.
     output_dir: str = "runs/student"
     # Checkpoints (accelerator.save_state + ledger) every N optimizer steps; 0 = never.

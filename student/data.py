@@ -178,7 +178,11 @@ class TokenBudgetBatcher:
 class SpoolSource:
     """This rank's share of a spool folder (files rank, rank + W, ...), minus already-trained keys."""
 
-    def __init__(self, directory: str, rank: int, world_size: int, skip_keys: set[str]):
+    def __init__(
+        self, directory: str, rank: int, world_size: int, skip_keys: set[str], layers: list[int] | None = None
+    ):
+        self.directory = directory
+        self.layers = layers  # for files without layer ids (vLLM's connector writes none)
         try:
             self._it: Iterator[Sample] | None = iter_spool_checked(directory, rank, world_size, skip_keys)
         except FileNotFoundError as e:
@@ -192,7 +196,16 @@ class SpoolSource:
             return None
         t0 = time.perf_counter()
         try:
-            return next(self._it)
+            s = next(self._it)
+            if not s.layers:
+                if self.layers is None:
+                    raise StudentError(
+                        f"spool file for {s.key!r} in {self.directory!r} does not record its layer ids "
+                        "(vLLM's ExampleHiddenStatesConnector writes none): set student.spool_layers "
+                        "to the extracted layer ids, in order"
+                    )
+                s.layers = list(self.layers)
+            return s
         except StopIteration:
             self._it = None
             self.exhausted = True

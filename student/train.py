@@ -176,7 +176,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     # --- data: this rank's share of the stream or of the spool folder ---
     trained_keys = ledger.keys()
     if cfg.mode == "spool":
-        source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, set(trained_keys))
+        source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, set(trained_keys), cfg.spool_layers)
     else:
         source = StreamSource(run.transport, set(trained_keys))
     batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)

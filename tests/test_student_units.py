@@ -3,6 +3,7 @@ sees them: a real `student.py` process exits with one readable line, no tracebac
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -332,8 +333,6 @@ def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_re
                "losses": {"mse": 1.0, "cosine": 1.0, "nmse": 0.0}}  # fmt: skip
     proc = run_student(tmp_path, student, nproc=2, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert m["summary"]["steps"] == 2 and sorted(e[0] for e in m["trained"]) == sorted(samples)
 
@@ -363,3 +362,39 @@ def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_re
     # And it trained: the weights moved away from the initial ones.
     init = DistillModel(load_student(cfg), [(1, 2)], 8, "auto")
     assert not torch.allclose(init.projections["s1_t2"].weight, ref.projections["s1_t2"].weight)
+
+
+def _vllm_style_spool(folder: Path, n: int) -> list[str]:
+    """Files as vLLM's ExampleHiddenStatesConnector writes them: nested, no metadata, a .lock beside."""
+    from safetensors.torch import save_file
+
+    names = []
+    for i in range(n):
+        d = folder / f"req-{i}"
+        d.mkdir(parents=True)
+        s = sample(f"r{i}", 4 + i, layers=(2, 4), seed=i)
+        save_file({"hidden_states": s.tensors["hidden_states"], "token_ids": s.tensors["token_ids"]},
+                  str(d / f"hs-{i}.safetensors"))  # fmt: skip
+        (d / f"hs-{i}.safetensors.lock").touch()
+        names.append(f"hs-{i}")
+    return names
+
+
+def test_vllm_connector_spool_needs_spool_layers(tmp_path):
+    from student.data import SpoolSource
+
+    _vllm_style_spool(tmp_path / "vllm", 2)
+    with pytest.raises(StudentError, match="set student.spool_layers"):
+        SpoolSource(str(tmp_path / "vllm"), 0, 1, set()).get()
+    got = SpoolSource(str(tmp_path / "vllm"), 0, 1, set(), layers=[2, 4]).get()
+    assert got.layers == [2, 4] and got.key == "hs-0"
+
+
+def test_student_trains_from_a_vllm_connector_folder(tmp_path):
+    names = _vllm_style_spool(tmp_path / "vllm", 5)
+    student = {**TINY_STUDENT, "mode": "spool", "spool_dir": str(tmp_path / "vllm"), "spool_layers": [2, 4]}
+    proc = run_student(tmp_path, student)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert sorted(e[0] for e in m["trained"]) == names
+    assert m["summary"]["tokens"] == sum(4 + i for i in range(5))
