@@ -204,6 +204,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
     bar = tqdm(total=num_rows, unit="sample", dynamic_ncols=True)
     shown_skipped = 0
     interrupted = False
+    gen_s = None  # seconds until the last window was generated
     try:
         window = first_window
         while window:
@@ -251,6 +252,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
             )
             window = list(itertools.islice(rows, cfg.window))
         bar.close()
+        gen_s = time.monotonic() - t0
         pending = _wait_delivered(submitted, journal, in_spool, cfg.drain_timeout_s, stop)
     except KeyboardInterrupt:
         interrupted = True
@@ -263,6 +265,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
         signal.signal(signal.SIGTERM, old_term)
 
     elapsed = time.monotonic() - t0
+    gen_s = gen_s or elapsed
     acked = journal.poll() & set(submitted)
     spooled = [k for k in submitted if in_spool(k)]
     for k in spooled:  # vLLM's load_hidden_states opens `<file>.lock`: make sure it exists
@@ -271,8 +274,9 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
             lock.touch()
     lost = [k for k in submitted if k not in acked and not in_spool(k)]
     print(
-        f"distill-teacher: {len(submitted)} samples, {n_tokens} tokens, {n_bytes / 1e9:.3f} GB in "
-        f"{elapsed:.1f}s ({n_tokens / max(elapsed, 1e-9):.0f} tok/s, {n_bytes / max(elapsed, 1e-9) / 1e9:.3f} GB/s); "
+        f"distill-teacher: {len(submitted)} samples, {n_tokens} tokens, {n_bytes / 1e9:.3f} GB generated in "
+        f"{gen_s:.1f}s ({n_tokens / max(gen_s, 1e-9):.0f} tok/s, {n_bytes / max(gen_s, 1e-9) / 1e9:.3f} GB/s), "
+        f"delivered and shut down after {elapsed:.1f}s; "
         f"acked {len(acked)}, spooled {len(spooled)} ({_spool_mb(spool_dir):.1f} MB in {spool_dir}), "
         f"already done {skipped}, too long {too_long}" + (", interrupted" if interrupted else ""),
         file=sys.stderr,
