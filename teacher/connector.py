@@ -402,7 +402,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             os.close(fd)
         self._lock_fds.clear()
         if self._sender is not None:
-            logger.info("distill: samples placed: %s", self._placed)
+            pinned = self._pinned._count if self._pinned is not None else 0
+            logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
 
 
 def _take_lock(path: str) -> int:
