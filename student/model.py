@@ -116,8 +116,10 @@ class TeacherHead(nn.Module):
         lm_head.to_empty(device="cpu")
         for n, (mod, pname) in names.items():
             getattr(mod, pname).data.copy_(tensors[n].float())
-        for b in norm.buffers():  # e.g. none for RMSNorm; keep any buffer finite
-            b.zero_()
+        if any(True for _ in norm.buffers()):  # RMSNorm/LayerNorm have none; anything else is unknown
+            raise StudentError(
+                f"the final norm of {type(skeleton).__name__} has buffers: not supported for KL"
+            )
         return cls(norm.float(), lm_head.float())
 
     @torch.no_grad()
