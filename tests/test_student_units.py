@@ -398,3 +398,29 @@ def test_student_trains_from_a_vllm_connector_folder(tmp_path):
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert sorted(e[0] for e in m["trained"]) == names
     assert m["summary"]["tokens"] == sum(4 + i for i in range(5))
+
+
+def test_student_from_a_checkpoint_folder(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from distill.config import validate
+    from student.config import StudentConfig
+    from student.model import load_student
+
+    conf = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=50)  # fmt: skip
+    Qwen3ForCausalLM(conf).save_pretrained(tmp_path / "ckpt")
+    cfg = validate(
+        StudentConfig,
+        {**{k: v for k, v in BASE.items() if k != "from_config"}, "model": str(tmp_path / "ckpt")},
+    )
+    lm = load_student(cfg)
+    saved = Qwen3ForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
+    for k, v in lm.state_dict().items():
+        torch.testing.assert_close(v, saved[k])
+    with pytest.raises(StudentError, match="is not a folder"):
+        load_student(
+            validate(
+                StudentConfig, {**cfg.model_dump(exclude={"from_config"}), "model": str(tmp_path / "no")}
+            )
+        )
