@@ -254,6 +254,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._queue = queue.Queue(maxsize=self.cfg.queue_samples)
         self._sender = threading.Thread(target=self._send_loop, name="distill-sender", daemon=True)
         self._sender.start()
+        logger.info(
+            "distill: this worker places samples (mode %s, spool %s)", self.cfg.mode, self.cfg.spool.dir
+        )
 
     def _slot_mapping(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.long)
