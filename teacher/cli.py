@@ -21,9 +21,13 @@ file channel works in every mode.
 Ordering rules:
   1. Everything that can be wrong with the config, model folder, layer ids or dataset is checked
      before vLLM is imported (a clear one-line error, exit code 2).
-  2. SIGINT is blocked while vLLM starts its processes, so they inherit the block: Ctrl-C reaches
-     only this process, which stops after the current window and drains cleanly. A second
-     SIGINT/SIGTERM aborts at once (what was not delivered is re-run on restart).
+  2. Signals. SIGTERM (or SIGINT) sent to this process: stop after the current window, wait for
+     delivery as usual, shut down, exit 130. Ctrl-C in a terminal also reaches vLLM's engine
+     processes (one process group; vLLM installs its own handlers there): they shut down at once,
+     the connector's shutdown closes the Publisher (unacked samples are spooled), and this process
+     sees the engine die, reports, and exits 130. A second signal aborts the wait. Either way no
+     partial file is left (spool writes are atomic) and what was not delivered is re-run on
+     restart.
 """
 
 from __future__ import annotations
@@ -183,11 +187,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
 
     prompter = Prompter(cfg)
     stop = Stop()
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        llm = build_llm(cfg, conn)  # engine processes inherit the blocked SIGINT
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    llm = build_llm(cfg, conn)
     old_int = signal.signal(signal.SIGINT, stop)
     old_term = signal.signal(signal.SIGTERM, stop)
 
@@ -204,6 +204,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
     bar = tqdm(total=num_rows, unit="sample", dynamic_ncols=True)
     shown_skipped = 0
     interrupted = False
+    engine_dead = False  # the engine processes exited (Ctrl-C reaches them too)
     gen_s = None  # seconds until the last window was generated
     try:
         window = first_window
@@ -234,7 +235,16 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
                     )
                 )
                 keys.append(key)
-            outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+            try:
+                outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+            except Exception as e:
+                if not stop.requested:
+                    raise
+                # Ctrl-C reached the engine processes too: they are gone (see module docstring).
+                log.warning("engine stopped by the signal (%s)", type(e).__name__)
+                engine_dead = True
+                interrupted = True
+                break
             for key, out in zip(keys, outs, strict=True):
                 n = len(out.prompt_token_ids)
                 if cfg.include_output_tokens:
@@ -253,7 +263,10 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
             window = list(itertools.islice(rows, cfg.window))
         bar.close()
         gen_s = time.monotonic() - t0
-        pending = _wait_delivered(submitted, journal, in_spool, cfg.drain_timeout_s, stop)
+        if engine_dead:
+            pending = None
+        else:
+            pending = _wait_delivered(submitted, journal, in_spool, cfg.drain_timeout_s, stop)
     except KeyboardInterrupt:
         interrupted = True
         pending = None
