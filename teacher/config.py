@@ -87,6 +87,8 @@ class TeacherConfig(Strict):
     # Column with plain text, or with chat messages [{"role", "content"}] (the chat template applies).
     text_field: str = "text"
     messages_field: str = "messages"
+    # Column with token ids (pre-tokenized data; no tokenizer needed, e.g. with dummy weights).
+    tokens_field: str = "input_ids"
     # Column with the sample key; None: the row number ("row-<n>").
     key_field: str | None = "id"
     # HF folders with several splits (DatasetDict): which one.

@@ -1,7 +1,7 @@
 """Dataset rows for the teacher: JSONL, Parquet, or a local Hugging Face `datasets` folder.
 
 Rows are read lazily (memory stays flat for any dataset size) and turned into (key, token ids):
-a `text` column is tokenized as is; a `messages` column ([{"role", "content"}, ...]) goes through
+a `input_ids` column (pre-tokenized) is used as is; a `text` column is tokenized; a `messages` column ([{"role", "content"}, ...]) goes through
 the model's chat template first (with the generation prompt when the last turn is not the
 assistant's). Keys come from `key_field`, or are "row-<n>".
 """
@@ -113,10 +113,11 @@ def iter_rows(cfg: TeacherConfig) -> Iterator[tuple[str, dict[str, Any]]]:
                 f"teacher.dataset: key {key!r} appears twice (row {i}); sample keys must be unique"
             )
         seen.add(key)
-        if cfg.messages_field not in row and cfg.text_field not in row:
+        if not any(f in row for f in (cfg.messages_field, cfg.text_field, cfg.tokens_field)):
             raise ConfigError(
                 f"teacher.dataset: row {i} ({key!r}) has neither {cfg.text_field!r} nor "
-                f"{cfg.messages_field!r} (columns: {sorted(row)}); set teacher.text_field / messages_field"
+                f"{cfg.messages_field!r} nor {cfg.tokens_field!r} (columns: {sorted(row)}); "
+                "set teacher.text_field / messages_field / tokens_field"
             )
         yield key, row
 
@@ -134,12 +135,21 @@ class Prompter:
     """Turns dataset rows into prompt token ids with the model's own tokenizer."""
 
     def __init__(self, cfg: TeacherConfig):
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
-        self.tok = AutoTokenizer.from_pretrained(cfg.model)
+        self._tok = None  # loaded on first use: pre-tokenized datasets need no tokenizer
+
+    @property
+    def tok(self):
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.cfg.model)
+        return self._tok
 
     def token_ids(self, row: dict[str, Any]) -> list[int]:
+        ids = row.get(self.cfg.tokens_field)
+        if ids is not None:
+            return [int(x) for x in ids]
         msgs = row.get(self.cfg.messages_field)
         if msgs is not None:
             if not getattr(self.tok, "chat_template", None):

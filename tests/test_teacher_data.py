@@ -75,7 +75,7 @@ def test_bad_rows_fail_with_the_row(model, tmp_path):
         check_dataset(_cfg(model, dup))
     nofield = tmp_path / "nf.jsonl"
     nofield.write_text('{"id": "a", "body": "x"}\n')
-    with pytest.raises(ConfigError, match="has neither 'text' nor 'messages'"):
+    with pytest.raises(ConfigError, match="has neither 'text' nor 'messages' nor 'input_ids'"):
         check_dataset(_cfg(model, nofield))
     empty = tmp_path / "e.jsonl"
     empty.write_text("")
@@ -84,3 +84,11 @@ def test_bad_rows_fail_with_the_row(model, tmp_path):
     with pytest.raises(ConfigError, match="not a readable Parquet file"):
         (tmp_path / "x.parquet").write_text("nope")
         check_dataset(_cfg(model, tmp_path / "x.parquet"))
+
+
+def test_pre_tokenized_rows_need_no_tokenizer(tmp_path):
+    ds = tmp_path / "t.jsonl"
+    ds.write_text('{"id": "a", "input_ids": [5, 6, 7]}\n')
+    cfg = TeacherConfig(model=str(tmp_path / "no-tokenizer-here"), dataset=str(ds), layer_ids=[1])
+    p = Prompter(cfg)
+    assert [p.token_ids(r) for _, r in iter_rows(cfg)] == [[5, 6, 7]]
