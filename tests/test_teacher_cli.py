@@ -251,3 +251,14 @@ def test_student_process_sigterm_and_restart_deliver_each_sample_once(assets, tm
     assert sorted(first + second) == sorted(keys), "every sample exactly once across the two runs"
     assert set(journal.read_text().split()) == set(keys)
     assert list_spool(tmp_path / "spool") == []  # all acked: spool files removed
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("teacher_*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate_and_name_their_command(path):
+    from distill.config import load_run_file
+    from teacher.config import load_teacher_config
+
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and "distill-teacher --config configs/" + path.name in first
+    cfg = load_teacher_config(load_run_file(path).teacher)
+    assert cfg.layer_ids and not cfg.enable_chunked_prefill
