@@ -70,11 +70,20 @@ class Procs:
                 pass
 
 
-def write_assets(out: Path, n: int) -> tuple[Path, Path]:
+def write_assets(out: Path, n: int, distinct: int) -> tuple[Path, Path]:
+    """A tiny random teacher and `n` rows drawn from `distinct` texts (each row its own key).
+
+    A random 4-layer teacher has nothing general to teach: on n all-distinct random texts a 2-layer
+    student's loss barely moves in one streamed pass. Repeating `distinct` texts under distinct keys
+    lets a few dozen optimizer steps show learning, while every row is still its own sample.
+    """
     from distill.tiny import build_tiny_model, write_tiny_dataset
 
     teacher = build_tiny_model(out / "teacher", hidden_size=128, num_layers=4, vocab_size=1024, seed=0)
-    data = write_tiny_dataset(out / "data.jsonl", n, seed=1)
+    base = write_tiny_dataset(out / "texts.jsonl", distinct, seed=1, min_words=5, max_words=40)
+    texts = [json.loads(line)["text"] for line in base.read_text().splitlines()]
+    data = out / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"row-{i:05d}", "text": texts[i % distinct]}) + "\n" for i in range(n)))
     return teacher, data
 
 
@@ -179,6 +188,7 @@ def plot(metrics: dict, png: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=400)
+    ap.add_argument("--distinct-texts", type=int, default=32, help="distinct texts behind the rows")
     ap.add_argument("--out", default="runs/main")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()
@@ -195,7 +205,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     print(f"[main] building tiny teacher + dataset of {args.samples} rows in {out}", flush=True)
-    teacher, data = write_assets(out, args.samples)
+    teacher, data = write_assets(out, args.samples, args.distinct_texts)
     port = free_port()
     cfg = run_file(out, teacher, data, port, args.samples)
     env = {
