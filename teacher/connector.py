@@ -111,19 +111,19 @@ class _PinnedPool:
     copies into pageable memory instead.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, *, pin: bool = True):
         self.capacity = capacity  # most buffers ever allocated
+        self.pin = pin  # False only in CPU unit tests (pinning needs CUDA)
         self._free: list[torch.Tensor] = []  # idle uint8 pinned buffers
         self._count = 0  # buffers allocated so far
         self._lock = threading.Lock()  # take (engine thread) vs give (sender thread)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-                return buf
+                # By index: list.remove would compare tensors with ==, elementwise.
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             if self._count < self.capacity:
                 self._count += 1
             elif self._free:
@@ -131,7 +131,7 @@ class _PinnedPool:
             else:
                 return None
         size = 1 << max(20, (nbytes - 1).bit_length())  # power of two >= 1 MiB: few re-allocations
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
