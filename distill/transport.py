@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import queue
 import secrets
@@ -56,8 +57,22 @@ class TransportError(RuntimeError):
     """A condition the transport cannot recover from by itself (e.g. a protocol version mismatch)."""
 
 
-def _host_id() -> str:
-    return socket.gethostname()
+def _pad(n: int) -> int:
+    """Tensors of one ring slot start on 64-byte boundaries."""
+    return (n + 63) // 64 * 64
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class RingSlot:
+    """Tensors that live in one slot of the publisher's shared-memory ring (see Publisher.ring_slot)."""
+
+    tensors: dict[str, torch.Tensor]
+    offset: int  # slot start in the ring
+    offsets: list[int]  # per-tensor start, in `tensors` order
 
 
 class _Wake:
@@ -201,8 +216,41 @@ class Publisher:
     def endpoints(self) -> list[str]:
         return [self._sock.getsockopt_string(zmq.LAST_ENDPOINT)] if hasattr(self, "_sock") else []
 
-    def submit(self, sample: Sample) -> str:
+    def ring_slot(self, specs: dict[str, tuple[list[int], torch.dtype]]) -> RingSlot | None:
+        """Writable tensors in one slot of the shared-memory ring, to fill and pass to `submit`.
+
+        Filling these instead of fresh tensors saves the copy into the ring on the same-host path
+        (the producer writes the sample's bytes once); students on other hosts get frames sent
+        straight from the slot. Returns None when there is no ring or it has no room: use ordinary
+        tensors then. A slot that is not submitted must be given back with `release_slot`.
+
+        Args:
+            specs: tensor name -> (shape, dtype), in the order the sample will hold them.
+        """
+        if self._ring is None:
+            return None
+        sizes = [math.prod(shape) * _itemsize(dt) for shape, dt in specs.values()]
+        off = self._ring.alloc(sum(_pad(n) for n in sizes))
+        if off is None:
+            return None
+        tensors, offsets, cur = {}, [], off
+        for (name, (shape, dt)), n in zip(specs.items(), sizes, strict=True):
+            view = self._ring.view[cur : cur + n]
+            tensors[name] = P._view(view, dt, list(shape)) if n else torch.empty(shape, dtype=dt)
+            offsets.append(cur)
+            cur += _pad(n)
+        return RingSlot(tensors, off, offsets)
+
+    def release_slot(self, slot: RingSlot) -> None:
+        """Give back a slot from `ring_slot` that was not submitted."""
+        self._ring.free(slot.offset)
+
+    def submit(self, sample: Sample, slot: RingSlot | None = None) -> str:
         """Hand `sample` to the transport. Never waits for students.
+
+        Args:
+            sample: CPU tensors; the publisher keeps them until acknowledged (do not modify them).
+            slot: the ring slot from `ring_slot` whose tensors `sample.tensors` are (optional).
 
         Returns:
             "stream:<teacher id>:<seq>" when the sample is held in memory for a student, or the
@@ -222,6 +270,10 @@ class Publisher:
                     raise ValueError(f"tensor {k!r} is on {t.device}; submit CPU tensors")
                 tensors[k] = t if t.is_contiguous() else t.contiguous()
             sample.tensors = tensors
+            if slot is not None and list(tensors) != list(slot.tensors):
+                raise ValueError(
+                    f"sample tensors {list(tensors)} do not match the slot's {list(slot.tensors)}"
+                )
             nbytes = sample.nbytes
             no_students = self._nstudents == 0 and (
                 time.monotonic() - self._last_student_seen > self.cfg.connect_timeout_s
@@ -229,10 +281,18 @@ class Publisher:
             over = self._held_bytes + nbytes > self.cfg.max_buffer_bytes
             if not (no_students or over):
                 self._held_bytes += nbytes
-                self._inbox.append(_Entry(sample, nbytes))
+                e = _Entry(sample, nbytes)
+                if slot is not None:
+                    e.shm = (slot.offset, slot.offsets)
+                    self._counters["shm_samples"] += 1
+                self._inbox.append(e)
                 self._counters["submitted"] += 1
         if no_students or over:
-            path = write_sample(self.spool_cfg.dir, sample)
+            try:
+                path = write_sample(self.spool_cfg.dir, sample)
+            finally:
+                if slot is not None:
+                    self.release_slot(slot)
             with self._lock:
                 self._counters["submitted"] += 1
                 self._counters["spooled"] += 1
@@ -552,7 +612,7 @@ class Publisher:
     def _to_ring(self, e: _Entry) -> None:
         """Copy the sample's tensors into one ring slot and keep only views of it."""
         sizes = [t.numel() * t.element_size() for t in e.sample.tensors.values()]
-        off = self._ring.alloc(sum((n + 63) // 64 * 64 for n in sizes))
+        off = self._ring.alloc(sum(_pad(n) for n in sizes))
         if off is None:
             return  # ring full: this sample travels in frames
         offsets, views = [], {}
@@ -565,7 +625,7 @@ class Publisher:
             else:
                 views[name] = torch.empty(t.shape, dtype=t.dtype)
             offsets.append(cur)
-            cur += (n + 63) // 64 * 64
+            cur += _pad(n)
         e.shm = (off, offsets)
         e.sample.tensors = views  # the original tensors can be freed now
         self._counters["shm_samples"] += 1

@@ -90,3 +90,42 @@ def test_student_reads_from_two_teachers(tmp_path):
         p.close()
     assert sorted(k for _, k in keys) == sorted(f"k{i}" for i in range(20))
     assert {t for t, _ in keys} == {"teacher0", "teacher1"}
+
+
+def test_ring_slot_samples_reach_shm_and_frame_students(tmp_path):
+    """A producer that fills ring slots directly (one copy on the teacher): a shared-memory student
+    maps them, a frames student gets them sent straight from the slot; all slots are freed."""
+    ep = f"ipc://{tmp_path}/t.sock"
+    cfg = TransportConfig(bind=[ep], connect=[ep], shm_dir=str(tmp_path), shm_bytes=8 << 20, credit_samples=2)
+    with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:
+        subs = [Subscriber(cfg).start(), Subscriber(cfg.model_copy(update={"shm": "off"})).start()]
+        assert _wait(lambda: pub.stats()["students"] == 2)
+        for i in range(10):
+            slot = pub.ring_slot(
+                {"hidden_states": ([16, 2, 32], torch.bfloat16), "token_ids": ([16], torch.int64)}
+            )
+            assert slot is not None
+            slot.tensors["hidden_states"].copy_(torch.full((16, 2, 32), float(i)))
+            slot.tensors["token_ids"].copy_(torch.arange(16) + i)
+            pub.submit(Sample(key=f"k{i}", tensors=dict(slot.tensors)), slot=slot)
+        pub.close_input()
+        got = {}
+        done = [False, False]
+        while not all(done):
+            for j, sub in enumerate(subs):
+                s = None if done[j] else sub.get(timeout=0.05)
+                if s is not None:
+                    i = int(s.key[1:])
+                    assert torch.equal(
+                        s.tensors["hidden_states"], torch.full((16, 2, 32), float(i)).bfloat16()
+                    )
+                    assert torch.equal(s.tensors["token_ids"], torch.arange(16) + i)
+                    got[s.key] = j
+                    sub.ack(s)
+                done[j] = sub.finished
+        assert sorted(got) == sorted(f"k{i}" for i in range(10))
+        assert set(got.values()) == {0, 1}
+        assert subs[0].stats()["shm_samples"] > 0 and subs[1].stats()["shm_samples"] == 0
+        assert pub._ring.used_bytes == 0
+        for sub in subs:
+            sub.close()
