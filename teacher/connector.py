@@ -159,10 +159,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self.layer_ids = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
 
         # Scheduler-side state
-        self._req_info: dict[str, _SampleInfo] = {}  # req_id -> key/meta/path, from scheduling to finish
-        self._finished_info: dict[
-            str, _SampleInfo
-        ] = {}  # req_id -> info of a finished request, until sent to the worker
+        # req_id -> key/meta/path, from scheduling to finish
+        self._req_info: dict[str, _SampleInfo] = {}
+        # req_id -> info of a finished request, until its pending save goes to the worker
+        self._finished_info: dict[str, _SampleInfo] = {}
 
         # Worker-side state (set up in register_kv_caches on rank 0)
         self._publisher = None  # distill.transport.Publisher (mode stream)
