@@ -334,6 +334,9 @@ def training_function(cfg: StudentConfig, run, args) -> None:
         copy_tokenizer(cfg, final)
         write_metrics(out_dir / "metrics.json", ledger, world, source_stats)
         logger.info("saved the student to %s (%d steps, %d samples)", final, step, len(ledger.trained))
+    # Leave together: a rank that destroys the process group while the main one is still saving
+    # can leave the main one hanging at exit (seen with gloo).
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
