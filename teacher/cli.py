@@ -263,13 +263,10 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
             window = list(itertools.islice(rows, cfg.window))
         bar.close()
         gen_s = time.monotonic() - t0
-        if engine_dead:
-            pending = None
-        else:
-            pending = _wait_delivered(submitted, journal, in_spool, cfg.drain_timeout_s, stop)
+        if not engine_dead:
+            _wait_delivered(submitted, journal, in_spool, cfg.drain_timeout_s, cfg.idle_timeout_s, stop)
     except KeyboardInterrupt:
         interrupted = True
-        pending = None
         log.warning("aborted: samples not yet delivered will be re-run on restart")
     finally:
         bar.close()
@@ -302,17 +299,28 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
         )
     if interrupted:
         return 130
-    return 1 if lost or pending else 0
+    return 1 if lost else 0
 
 
-def _wait_delivered(submitted, journal: JournalTail, in_spool, timeout_s: float, stop: Stop) -> list[str]:
-    """Wait until every submitted key is acked (journal) or spooled. Returns the keys still open."""
-    deadline = time.monotonic() + timeout_s
+def _wait_delivered(
+    submitted, journal: JournalTail, in_spool, timeout_s: float, idle_s: float, stop: Stop
+) -> list[str]:
+    """Wait until every submitted key is acked (journal) or spooled. Returns the keys still open.
+
+    Gives up after `timeout_s`, or after `idle_s` without any key becoming acked or spooled (no
+    student is taking samples); the engine shutdown then spools what is left, so nothing is lost.
+    """
+    now = time.monotonic()
+    deadline, last_progress = now + timeout_s, now
     open_keys = set(submitted)
     while True:
+        before = len(open_keys)
         open_keys -= journal.poll()
         open_keys = {k for k in open_keys if not in_spool(k)}
-        if not open_keys or time.monotonic() > deadline or stop.requested:
+        now = time.monotonic()
+        if len(open_keys) < before:
+            last_progress = now
+        if not open_keys or now > deadline or now - last_progress > idle_s or stop.requested:
             if open_keys:
                 log.warning("%d samples not yet acked or spooled; the shutdown spools them", len(open_keys))
             return sorted(open_keys)

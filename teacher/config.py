@@ -110,6 +110,9 @@ class TeacherConfig(Strict):
     # After the last sample: wait at most this long for students to ack everything (or for the
     # Publisher to spool it) before shutting down; what is left is spooled by the shutdown.
     drain_timeout_s: float = Field(600.0, ge=0)
+    # ... and stop waiting earlier when no sample got acked or spooled for this long (no student
+    # is consuming); the shutdown spools the rest, so nothing is lost either way.
+    idle_timeout_s: float = Field(60.0, ge=0)
     # Connector settings that the run file's transport/spool sections do not cover.
     connector_mode: Literal["stream", "spool"] = "stream"
     queue_samples: int = Field(64, gt=0)
