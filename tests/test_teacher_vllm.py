@@ -156,6 +156,14 @@ def test_stream_matches_transformers(setup, reference):
         worst = max(worst, (g["hs"] - ref).abs().max().item())
     assert worst <= 1e-4, f"max abs diff {worst}"
 
+    # Streamed, so no file at the returned path: vLLM's reader says so instead of hanging.
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    with pytest.raises(FileNotFoundError):
+        load_hidden_states(outs[0].kv_transfer_params["hidden_states_path"])
+
 
 def test_last_layer_is_before_the_final_norm(setup, reference):
     """k = L is the last decoder layer's output; transformers' hidden_states[L] is after the norm."""
