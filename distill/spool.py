@@ -102,7 +102,8 @@ def iter_spool(
     """Yield the samples of a spool folder; with `world_size` > 1, rank r takes files r, r+W, ...
 
     Raises:
-        FileNotFoundError: the folder does not exist or holds no spool file.
+        FileNotFoundError: at once (not at the first `next`) when the folder does not exist or
+            holds no spool file.
     """
     files = list_spool(directory)
     if not files:
@@ -110,11 +111,15 @@ def iter_spool(
             f"spool folder {str(directory)!r} has no *{SUFFIX} files: run the teacher first, or point "
             "spool.dir at the folder it wrote"
         )
-    for p in files[rank::world_size]:
-        s = read_spool_file(p)
-        if skip_keys is not None and s.key in skip_keys:
-            continue
-        yield s
+
+    def gen() -> Iterator[Sample]:
+        for p in files[rank::world_size]:
+            s = read_spool_file(p)
+            if skip_keys is not None and s.key in skip_keys:
+                continue
+            yield s
+
+    return gen()
 
 
 def spool_bytes(directory: str | os.PathLike) -> int:

@@ -313,7 +313,7 @@ def main() -> int:
     for k, v in rows:
         print(f"  {k:<{w}}  {v}")
     print(
-        f"\noutputs: student model {out / 'student' / 'final'}, metrics {out / 'student' / 'metrics.json'},"
+        f"\noutputs: student model {out / 'student' / 'model'}, metrics {out / 'student' / 'metrics.json'},"
     )
     print(f"         loss curve {png}, logs {out}/teacher.log {out}/students.log, run file {cfg}")
     ok = acked == args.samples and s["samples"] == args.samples and s["loss_last"] < s["loss_first"]
