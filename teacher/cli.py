@@ -40,6 +40,7 @@ import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
@@ -206,35 +207,44 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
     interrupted = False
     engine_dead = False  # the engine processes exited (Ctrl-C reaches them too)
     gen_s = None  # seconds until the last window was generated
+    prefetch = ThreadPoolExecutor(1, thread_name_prefix="distill-prefetch")  # next window's token ids
     try:
-        window = first_window
-        while window:
-            if stop.requested:
-                interrupted = True
-                break
-            prompts, params, keys = [], [], []
+
+        def prepare(window):
+            """Token ids and sampling params of one window (runs while the previous one generates)."""
+            prompts, params, keys, n_long = [], [], [], 0
             for key, row in window:
                 ids = prompter.token_ids(row)
                 if len(ids) + cfg.max_tokens > cfg.max_model_len:
-                    too_long += 1
+                    n_long += 1
                     log.warning("skipping %r: %d prompt tokens > max_model_len - max_tokens", key, len(ids))
                     continue
-                meta = {"prompt_tokens": len(ids)}
+                kv = {
+                    "sample_key": key,
+                    "meta": {"prompt_tokens": len(ids)},
+                    "include_output_tokens": cfg.include_output_tokens,
+                }
                 prompts.append({"prompt_token_ids": ids})
                 params.append(
                     SamplingParams(
                         max_tokens=cfg.max_tokens,
                         temperature=cfg.temperature,
-                        extra_args={
-                            "kv_transfer_params": {
-                                "sample_key": key,
-                                "meta": meta,
-                                "include_output_tokens": cfg.include_output_tokens,
-                            }
-                        },
+                        extra_args={"kv_transfer_params": kv},
                     )
                 )
                 keys.append(key)
+            return len(window), prompts, params, keys, n_long
+
+        nxt = prefetch.submit(prepare, first_window)
+        while True:
+            n_rows, prompts, params, keys, n_long = nxt.result()
+            if n_rows == 0:
+                break
+            if stop.requested:
+                interrupted = True
+                break
+            too_long += n_long
+            nxt = prefetch.submit(lambda: prepare(list(itertools.islice(rows, cfg.window))))
             try:
                 outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
             except Exception as e:
@@ -252,7 +262,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
                 n_tokens += n
                 n_bytes += n * bytes_per_token
                 submitted.append(key)
-            bar.update(len(window) + skipped - shown_skipped)  # rows run + rows found done
+            bar.update(n_rows + skipped - shown_skipped)  # rows run + rows found done
             shown_skipped = skipped
             dt = max(time.monotonic() - t0, 1e-9)
             bar.set_postfix_str(
@@ -260,7 +270,6 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
                 f"{n_bytes / dt / 1e9:.3f} GB/s, acked {len(journal.poll() & set(submitted))}, "
                 f"spool {_spool_mb(spool_dir):.1f} MB"
             )
-            window = list(itertools.islice(rows, cfg.window))
         bar.close()
         gen_s = time.monotonic() - t0
         if not engine_dead:
@@ -270,6 +279,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
         log.warning("aborted: samples not yet delivered will be re-run on restart")
     finally:
         bar.close()
+        prefetch.shutdown(wait=True, cancel_futures=True)
         shutdown_llm(llm, timeout_s=conn.drain_timeout_s + 15)
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
