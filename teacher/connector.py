@@ -65,6 +65,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _ref
 from vllm.logger import init_logger
 
+try:  # vLLM >= 0.27 flags GPU<->CPU syncs when VLLM_GPU_SYNC_CHECK is set; ours are deliberate
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed as _sync_allowed
+except ImportError:  # vLLM 0.26
+    from contextlib import nullcontext as _sync_allowed
+
 from distill.protocol import Sample
 from distill.spool import spool_name, write_sample
 from teacher.config import ConnectorConfig
@@ -279,7 +284,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             ready = torch.cuda.Event()
             ready.record()
             stream.wait_event(ready)  # the copy sees every write of the forward pass
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), _sync_allowed():
                 rows = _ref.extract_from_kv_cache(kv, slots.to(kv.device, non_blocking=True), num_tokens)
                 nbytes = rows.numel() * rows.element_size()
                 staging = self._pinned.take(nbytes) if self._pinned is not None else None
