@@ -294,7 +294,8 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
             lock.touch()
     lost = [k for k in submitted if k not in acked and not in_spool(k)]
     print(
-        f"distill-teacher: {len(submitted)} samples, {n_tokens} tokens, {n_bytes / 1e9:.3f} GB generated in "
+        # scripts/e2e.py parses "N samples, T tokens, G GB in S s ... spooled K": keep that shape.
+        f"distill-teacher: {len(submitted)} samples, {n_tokens} tokens, {n_bytes / 1e9:.3f} GB in "
         f"{gen_s:.1f}s ({n_tokens / max(gen_s, 1e-9):.0f} tok/s, {n_bytes / max(gen_s, 1e-9) / 1e9:.3f} GB/s), "
         f"delivered and shut down after {elapsed:.1f}s; "
         f"acked {len(acked)}, spooled {len(spooled)} ({_spool_mb(spool_dir):.1f} MB in {spool_dir}), "

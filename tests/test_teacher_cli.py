@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -89,6 +90,11 @@ def test_no_student_spools_every_sample_and_resume_skips_done(assets, tmp_path):
     r = _run(cfg, "teacher.max_samples=4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "spooled 4" in r.stderr
+    # The closing line's shape is parsed by scripts/e2e.py.
+    summary = re.search(
+        r"distill-teacher: (\d+) samples, (\d+) tokens, ([\d.]+) GB in ([\d.]+)s.*spooled (\d+)", r.stderr
+    )
+    assert summary and summary.group(1) == "4" and summary.group(5) == "4"
     files = list_spool(spool)
     assert len(files) == 4
     tok = AutoTokenizer.from_pretrained(model)
