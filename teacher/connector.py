@@ -376,7 +376,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 _unlink(job.info.path + ".lock")
         else:
             self._placed["spool"] += 1
-            if where != job.info.path:
+            if job.lock_fd is None or where != job.info.path:
                 _touch(where + ".lock")  # so vLLM's load_hidden_states can read it too
 
     def shutdown(self):
