@@ -42,9 +42,10 @@ Worker side (each worker process; only tensor-parallel rank 0 sends)
     teacher_id          transport.teacher_id when set
     hidden_states_path  the spool file of this sample. Mode spool: always written. Mode stream:
                         written only when the Publisher spools the sample (no student, memory
-                        full, or unacked at shutdown). vLLM's `load_hidden_states(path)` blocks on
-                        the lock until the sender decided, then loads the file; it raises
-                        FileNotFoundError when the sample was streamed instead.
+                        full, or unacked at shutdown). With `use_lock` (default), vLLM's
+                        `load_hidden_states(path)` blocks on the lock until the sender decided,
+                        then loads the file; it raises FileNotFoundError when the sample was
+                        streamed instead. Every spooled file gets its `.lock` companion.
 
 vLLM returns these when the request finishes, before the worker copies the rows (one step later),
 so the final fate of a streamed sample is known from the Publisher's journal (acked keys) and the
