@@ -34,7 +34,11 @@ def spool_name(key: str) -> str:
 
 
 def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
-    """Write `sample` to `directory` atomically (temporary file, fsync-free rename); return the path."""
+    """Write `sample` to `directory` atomically (temporary file, fsync-free rename); return the path.
+
+    Contract (resume and delivery detection rely on it): the file is `directory/spool_name(key)`,
+    with an empty `<file>.lock` beside it, as vLLM's own connector leaves.
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     final = d / spool_name(sample.key)
@@ -50,6 +54,8 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
     tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
     try:
         save_file(tensors, str(tmp), metadata=meta)
+        # vLLM's load_hidden_states takes a shared flock on <file>.lock: make it exist.
+        final.with_name(final.name + ".lock").touch()
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

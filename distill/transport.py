@@ -392,11 +392,41 @@ class Publisher:
                     self._heartbeat(now)
                     next_hb = now + interval
                 self._dispatch()
+                self._spool_if_abandoned(now)
                 self._check_done()
         except Exception as e:  # surfaced to submit() callers; never silent
             log.exception("publisher I/O thread failed")
             self._error = e
             self._started.set()
+
+    def _spool_if_abandoned(self, now: float) -> None:
+        """No student for connect_timeout_s: what waits in memory goes to the spool (replayed later)."""
+        if self._students or not self._pending:
+            return
+        if now - self._last_student_seen <= self.cfg.connect_timeout_s:
+            return
+        n = 0
+        while self._pending:
+            e = self._pending.popleft()
+            if e.spool_path is None:
+                path = write_sample(self.spool_cfg.dir, e.sample)
+                with self._lock:
+                    self._counters["spooled"] += 1
+                    self._counters["spooled_bytes"] += e.nbytes
+            else:
+                path = e.spool_path  # replayed from the spool: it is still there
+                with self._lock:
+                    self._counters["replayed"] -= 1
+            self._replay.append(path)
+            if e.shm is not None and self._ring is not None:
+                self._ring.free(e.shm[0])
+                e.shm = None
+            with self._lock:
+                self._held_bytes -= e.nbytes
+            n += 1
+        log.warning(
+            "no student for %.0f s: %d samples moved from memory to the spool", self.cfg.connect_timeout_s, n
+        )
 
     def _take_inbox(self) -> None:
         with self._lock:

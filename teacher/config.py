@@ -33,8 +33,10 @@ class ConnectorConfig(Strict):
     # Samples copied off the cache but not yet handed to the Publisher; beyond it the engine step
     # waits (only when even the spool cannot keep up).
     queue_samples: int = Field(64, gt=0)
-    # CUDA only: reused pinned staging buffers for the device-to-host copy.
-    pinned_buffers: int = Field(4, ge=0)
+    # CUDA only: reused pinned staging buffers for the device-to-host copy. Keep it >= the requests
+    # that finish per engine step: the rest are copied synchronously on the engine's thread (H200,
+    # Qwen3-8B: 4 buffers gave 0.80x plain prefill, 32 gave 0.98x; BENCHMARKS.md).
+    pinned_buffers: int = Field(32, ge=0)
     # At connector shutdown: how long to wait for students to ack what is still in flight before
     # the Publisher spools it.
     drain_timeout_s: float = Field(5.0, ge=0)
@@ -116,7 +118,7 @@ class TeacherConfig(Strict):
     # Connector settings that the run file's transport/spool sections do not cover.
     connector_mode: Literal["stream", "spool"] = "stream"
     queue_samples: int = Field(64, gt=0)
-    pinned_buffers: int = Field(4, ge=0)
+    pinned_buffers: int = Field(32, ge=0)
     # Extra keyword arguments for vllm.LLM (escape hatch; prefer the typed keys above).
     engine_args: dict[str, Any] = Field(default_factory=dict)
 

@@ -354,21 +354,28 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         hs = job.hidden_states
         if job.copy_done is not None:
             job.copy_done.synchronize()
+        tensors = {"hidden_states": hs, "token_ids": job.token_ids}
+        slot = None
         if job.staging is not None:
-            hs = hs.clone()  # out of the pinned buffer, which goes back to the pool
+            # Out of the pinned buffer (it goes back to the pool): straight into a slot of the
+            # Publisher's shared-memory ring when there is room (the one host copy a same-host
+            # student needs), else into fresh pageable memory.
+            if self._publisher is not None:
+                slot = self._publisher.ring_slot({k: (list(t.shape), t.dtype) for k, t in tensors.items()})
+            if slot is not None:
+                for k, t in tensors.items():
+                    slot.tensors[k].copy_(t)
+                tensors = dict(slot.tensors)
+            else:
+                tensors["hidden_states"] = hs.clone()
             self._pinned.give(job.staging)
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", int(hs.shape[0]))
-        sample = Sample(
-            key=job.info.key,
-            tensors={"hidden_states": hs, "token_ids": job.token_ids},
-            layers=list(self.layer_ids),
-            meta=meta,
-        )
+        sample = Sample(key=job.info.key, tensors=tensors, layers=list(self.layer_ids), meta=meta)
         if self._publisher is None:
             where = str(write_sample(self.cfg.spool.dir, sample))
         else:
-            where = self._publisher.submit(sample)
+            where = self._publisher.submit(sample, slot=slot)
         if where.startswith("stream:"):
             self._placed["stream"] += 1
             if job.lock_fd is not None:

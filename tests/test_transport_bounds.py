@@ -129,3 +129,34 @@ def test_ring_slot_samples_reach_shm_and_frame_students(tmp_path):
         assert pub._ring.used_bytes == 0
         for sub in subs:
             sub.close()
+
+
+def test_samples_in_memory_spool_once_students_are_gone(tmp_path):
+    """Samples held in memory for a student that leaves (its unacked ones included) move to the
+    spool after connect_timeout_s without any student, and memory is released."""
+    ep = f"ipc://{tmp_path}/t.sock"
+    cfg = TransportConfig(
+        bind=[ep], connect=[ep], connect_timeout_s=0.5, credit_samples=2, shm_dir=str(tmp_path)
+    )
+    spool = tmp_path / "spool"
+    with Publisher(cfg, SpoolConfig(dir=str(spool))) as pub:
+        sub = Subscriber(cfg).start()
+        assert _wait(lambda: pub.stats()["students"] == 1)
+        for i in range(6):
+            pub.submit(_sample(i, kib=8))
+        assert sub.get(timeout=5) is not None and sub.get(timeout=5) is not None  # held, never acked
+        sub.close()  # BYE: its 2 samples go back to the queue
+        assert _wait(lambda: pub.stats()["spooled"] == 6, timeout=10)
+        st = pub.stats()
+        assert st["buffered_bytes"] == 0 and st["redelivered"] == 2
+        assert len(list_spool(spool)) == 6
+        assert pub._ring.used_bytes == 0
+        # A student that comes back gets them all from the spool.
+        pub.close_input()
+        with Subscriber(cfg) as sub2:
+            keys = []
+            for s in sub2:
+                keys.append(s.key)
+                sub2.ack(s)
+        assert sorted(keys) == sorted(f"k{i}" for i in range(6))
+        assert list_spool(spool) == []
