@@ -86,7 +86,11 @@ def receiver(mode: str, ep: str, spool_dir: str, expect: dict, out_q, ready) -> 
                 s = sub.get(timeout=60)
                 if s is None:
                     raise RuntimeError("receiver timed out")
-                sub.ack(s)
+                if s.key in want:
+                    got += 1
+                bad += _check(s, expect)
+                sub.ack(s)  # only now: the tensors are views of the teacher's ring until acked
+                continue
             else:
                 files = sorted(p for p in Path(spool_dir).glob("*.safetensors"))
                 if not files:
@@ -122,9 +126,11 @@ def _check(s, expect) -> int:
         want = expect["ids"].get(s.key)
         got = ids.tolist()
         first = next((i for i, (a, b) in enumerate(zip(got, want or [], strict=False)) if a != b), None)
+        owner = [k for k, v in expect["ids"].items() if v == got]
         print(
-            f"CHECK FAILED {s.key}: hidden {tuple(hs.shape)} {hs.dtype}, {len(got)} ids vs {len(want or [])} "
-            f"expected, first differing position {first}",
+            f"CHECK FAILED {s.key} (seq {s.seq}, meta {s.meta}): hidden {tuple(hs.shape)} {hs.dtype}, "
+            f"{len(got)} ids vs {len(want or [])} expected, first differing position {first}; "
+            f"these ids belong to {owner}; got[:4]={got[:4]} want[:4]={(want or [])[:4]}",
             flush=True,
         )
     return 0 if ok else 1
