@@ -61,6 +61,9 @@ class TransportConfig(Strict):
     shm_dir: str = "/dev/shm"
     # Optional payload checksum carried in the header and verified by the receiver.
     checksum: Literal["none", "crc32"] = "none"
+    # Student side: raise glibc's mmap/trim thresholds so large received frames reuse warm heap
+    # memory instead of a fresh mmap per sample (distill.transport.tune_malloc).
+    tune_malloc: bool = True
     # Send/receive kernel buffer sizes for tcp (0 = OS default).
     socket_buffer_bytes: int = Field(4 * MiB, ge=0)
 
