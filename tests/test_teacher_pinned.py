@@ -36,3 +36,48 @@ def test_pool_reuses_bounds_and_grows():
 
 def test_pool_disabled():
     assert _PinnedPool(0, pin=False).take(10) is None
+
+
+def test_staged_sample_goes_straight_into_a_ring_slot(tmp_path):
+    """The CUDA placement path on the CPU: a sample in a (here unpinned) staging buffer is copied
+    once into a shared-memory ring slot and submitted with it; the staging buffer goes back to the
+    pool and may be overwritten at once without touching what the student receives."""
+    import time
+
+    import torch
+
+    from distill.config import SpoolConfig, TransportConfig
+    from distill.transport import Publisher, Subscriber
+    from teacher.config import ConnectorConfig
+    from teacher.connector import DistillHiddenStatesConnector, _Job, _SampleInfo
+
+    ep = f"ipc://{tmp_path}/t.sock"
+    tcfg = TransportConfig(bind=[ep], connect=[ep], shm_dir=str(tmp_path), shm_bytes=16 * MiB)
+    conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)  # no engine needed
+    conn.cfg = ConnectorConfig(transport=tcfg, spool=SpoolConfig(dir=str(tmp_path / "spool")))
+    conn.layer_ids = [1, 2]
+    conn._placed = {"stream": 0, "spool": 0, "errors": 0}
+    conn._pinned = _PinnedPool(1, pin=False)
+    with Publisher(tcfg, conn.cfg.spool) as pub, Subscriber(tcfg) as sub:
+        conn._publisher = pub
+        deadline = time.monotonic() + 10
+        while pub.stats()["students"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        staging = conn._pinned.take(8 * 2 * 16 * 4)
+        hs = staging[: 8 * 2 * 16 * 4].view(torch.float32).view(8, 2, 16)
+        want = torch.arange(8 * 2 * 16, dtype=torch.float32).view(8, 2, 16)
+        hs.copy_(want)
+        info = _SampleInfo(key="row-1", meta={"m": 1}, path=str(tmp_path / "spool" / "x"))
+        conn._place(_Job("req-1", info, torch.arange(8), hs, None, staging, None))
+        assert conn._pinned.take(1) is staging  # given back to the pool ...
+        staging.fill_(0)  # ... and reused at once
+        s = sub.get(timeout=10)
+        assert s is not None and s.key == "row-1" and s.meta["m"] == 1
+        assert torch.equal(s.tensors["hidden_states"], want)
+        assert torch.equal(s.tensors["token_ids"], torch.arange(8))
+        assert sub.stats()["shm_samples"] == 1 and pub.stats()["shm_samples"] == 1
+        sub.ack(s)
+        deadline = time.monotonic() + 10
+        while pub.stats()["acked"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub._ring.used_bytes == 0
