@@ -662,23 +662,14 @@ class Publisher:
 
     def _to_ring(self, e: _Entry) -> None:
         """Copy the sample's tensors into one ring slot and keep only views of it."""
-        sizes = [t.numel() * t.element_size() for t in e.sample.tensors.values()]
-        off = self._ring.alloc(sum(_pad(n) for n in sizes))
-        if off is None:
-            return  # ring full: this sample travels in frames
-        offsets, views = [], {}
-        cur = off
-        for (name, t), n in zip(e.sample.tensors.items(), sizes, strict=True):
-            dst = self._ring.view[cur : cur + n]
-            if n:
-                torch.frombuffer(dst, dtype=torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
-                views[name] = P._view(dst, t.dtype, list(t.shape))
-            else:
-                views[name] = torch.empty(t.shape, dtype=t.dtype)
-            offsets.append(cur)
-            cur += _pad(n)
-        e.shm = (off, offsets)
-        e.sample.tensors = views  # the original tensors can be freed now
+        slot = self.ring_slot({k: (list(t.shape), t.dtype) for k, t in e.sample.tensors.items()})
+        if slot is None:
+            return  # no room in the ring: this sample travels in frames
+        for k, t in e.sample.tensors.items():
+            if t.numel():
+                slot.tensors[k].copy_(t)
+        e.shm = (slot.offset, slot.offsets)
+        e.sample.tensors = dict(slot.tensors)  # the original tensors can be freed now
         self._counters["shm_samples"] += 1
 
     def _check_done(self) -> None:
