@@ -338,6 +338,9 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     # can leave the main one hanging at exit (seen with gloo).
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    # Returned so that the caller holds them until it exits: freeing the DDP model here would
+    # destroy gloo's process group, which can deadlock (see main()).
+    return accelerator, model, optimizer
 
 
 def flatten(gathered: list) -> list:
@@ -407,16 +410,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    code = 0
     try:
         cfg, run = load_student_config(args.config, args.set)
-        training_function(cfg, run, args)
+        keep_alive = training_function(cfg, run, args)  # noqa: F841 (held until os._exit)
     except (ConfigError, StudentError) as e:
         print(f"student error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    # Everything is saved and every rank has passed the final barrier. Leave without running the
-    # interpreter's teardown: destroying DDP's gloo process group at exit can block forever in
-    # ~ProcessGroupGloo joining its threads once the peer rank is gone (seen about 1 run in 6).
+        keep_alive = e  # noqa: F841 (its traceback holds the training frame's objects)
+        code = 2
+    # Leave without the interpreter's teardown. Freeing the DDP model destroys gloo's process group,
+    # whose destructor joins worker threads while holding the GIL; a worker that needs the GIL to
+    # release a tensor then deadlocks it (seen in CI: ~ProcessGroupGloo -> thread::join, worker in
+    # gil_scoped_acquire). Everything is saved and every rank passed the final barrier by now.
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)

@@ -330,7 +330,12 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_
         # Every sample acknowledged exactly once overall; the dead ranks' unacked ones went to the
         # new ranks. Samples acked by the dead ranks after their last checkpoint are not retrained
         # (the teacher forgot them): the lineage holds the rest, each once.
-        assert stats["acked"] == N_SAMPLES and stats["redelivered"] > 0
+        # Whether the dead ranks held unacked samples at the kill depends on timing (a slow
+        # teacher may have had nothing in flight), so redelivery itself is not required here; it is
+        # held deterministically by tests/test_transport.py::test_killed_student_samples_reach_the_other.
+        # Every send is accounted for: each sample once, plus once per redelivery.
+        assert stats["acked"] == N_SAMPLES
+        assert stats["sent"] == N_SAMPLES + stats["redelivered"]
         assert len(keys) <= N_SAMPLES and n_steps > killed_at
     else:
         kept = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step_*"))
