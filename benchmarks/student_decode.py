@@ -37,7 +37,7 @@ def student(ep: str, shm: str, layer_ids: list[int], budget: int, out_q) -> None
     from student.data import TokenBudgetBatcher, collate
 
     torch.set_num_threads(1)
-    cfg = TransportConfig(connect=[ep], shm=shm, credit_samples=8, credit_bytes=1 << 30)
+    cfg = TransportConfig(connect=[ep], shm=shm, credit_samples=32, credit_bytes=2 << 30)
     batcher = TokenBudgetBatcher(budget)
     n = tokens = nbytes = batches = 0
     t0 = None
@@ -46,6 +46,8 @@ def student(ep: str, shm: str, layer_ids: list[int], budget: int, out_q) -> None
             if t0 is None:
                 t0 = time.perf_counter()
             full = batcher.push(s)
+            if not full and batcher.full:  # no further sample could join: do not wait for one
+                full = batcher.flush()
             if full:
                 collate(full, layer_ids)
                 sub.ack(full)
