@@ -135,8 +135,6 @@ class _Entry:
     nbytes: int
     spool_path: Path | None = None  # set when the sample came from (or went to) the spool
     shm: tuple[int, list[int]] | None = None  # (slot offset, per-tensor offsets) once in the ring
-    sent_to: bytes | None = None
-    attempts: int = 0
 
 
 @dataclass
@@ -184,7 +182,6 @@ class Publisher:
         self._pending: collections.deque[_Entry] = collections.deque()  # waiting for a student
         self._replay: collections.deque[Path] = collections.deque()  # spool files not yet loaded
         self._students: dict[bytes, _Student] = {}
-        self._owner: dict[int, bytes] = {}  # seq -> ident of the student that holds it
         self._rr = 0
         self._journal_f = None
 
@@ -538,7 +535,6 @@ class Publisher:
                 st.credit_samples += 1
                 st.credit_bytes += e.nbytes
                 st.inflight_bytes -= e.nbytes
-            self._owner.pop(seq, None)
             self._release(e)
             keys.append(e.sample.key)
         if keys:
@@ -564,10 +560,7 @@ class Publisher:
         self._nstudents = len(self._students)
         self._last_student_seen = time.monotonic()
         back = sorted(st.inflight.values(), key=lambda e: e.sample.seq, reverse=True)
-        for e in back:
-            self._owner.pop(e.sample.seq, None)
-            e.sent_to = None
-            self._pending.appendleft(e)
+        self._pending.extendleft(back)  # descending seqs: they end up first, in order
         if back:
             self._counters["redelivered"] += len(back)
         (log.warning if back else log.info)(
@@ -652,9 +645,6 @@ class Publisher:
         st.credit_bytes -= e.nbytes
         st.inflight_bytes += e.nbytes
         st.inflight[s.seq] = e
-        self._owner[s.seq] = st.ident
-        e.sent_to = st.ident
-        e.attempts += 1
         with self._lock:
             self._counters["sent"] += 1
             self._counters["bytes_sent"] += e.nbytes

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -83,7 +84,9 @@ def write_assets(out: Path, n: int, distinct: int) -> tuple[Path, Path]:
     base = write_tiny_dataset(out / "texts.jsonl", distinct, seed=1, min_words=5, max_words=40)
     texts = [json.loads(line)["text"] for line in base.read_text().splitlines()]
     data = out / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": f"row-{i:05d}", "text": texts[i % distinct]}) + "\n" for i in range(n)))
+    data.write_text(
+        "".join(json.dumps({"id": f"row-{i:05d}", "text": texts[i % distinct]}) + "\n" for i in range(n))
+    )
     return teacher, data
 
 
@@ -197,8 +200,6 @@ def main() -> int:
         for name in ("journal.txt", "spool", "student", "run.yaml"):  # a fresh run each time
             p = out / name
             if p.is_dir():
-                import shutil
-
                 shutil.rmtree(p)
             elif p.exists():
                 p.unlink()
