@@ -13,7 +13,9 @@ Modes (name[:receivers][@repeats] on ``--modes``):
          vLLM's ``load_hidden_states`` while ``generate()`` runs, checks it and deletes it
     C    our connector (teacher/connector.py) streaming to student-side receiver process(es)
          (``distill.transport.Subscriber``) on this host, ``transport.shm=auto`` (shared memory)
-    Cp   as C with 32 pinned staging buffers (connector setting ``pinned_buffers``; default 4)
+    Cp   as C with ``pinned_buffers: 32`` given explicitly (the connector's default since the
+         first GPU run, which used 4; kept so the old figures can be re-made)
+    C4   as C with ``pinned_buffers: 4`` (the old default: most copies take the synchronous path)
     C1   as C with 1 layer id (``--layers1``);  C8: as C with 8 layer ids (``--layers8``)
     D    as C over tcp with ``transport.shm=off``; ``D:4`` spreads the load over 4 receivers
          (4 tcp connections, the publisher hands each sample to one student by credit)
@@ -89,7 +91,8 @@ MODES = {
     "A": ("plain", None, None, {}),
     "B": ("file", "layers", None, {}),
     "C": ("ours", "layers", "auto", {}),
-    "Cp": ("ours", "layers", "auto", {"pinned_buffers": 32}),  # C with more pinned staging buffers
+    "Cp": ("ours", "layers", "auto", {"pinned_buffers": 32}),  # explicit 32 (now the default)
+    "C4": ("ours", "layers", "auto", {"pinned_buffers": 4}),  # the first run's default
     "C1": ("ours", "layers1", "auto", {}),
     "C8": ("ours", "layers8", "auto", {}),
     "D": ("ours", "layers", "off", {}),
