@@ -16,6 +16,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Cp   as C with ``pinned_buffers: 32`` given explicitly (the connector's default since the
          first GPU run, which used 4; kept so the old figures can be re-made)
     C4   as C with ``pinned_buffers: 4`` (the old default: most copies take the synchronous path)
+    Cs   as C, serial copies: connector ``copy_threads: 1`` and 1 torch thread per receiver
+         (C: the connector's default 4 copy threads, ``--receiver-threads`` per receiver)
     C1   as C with 1 layer id (``--layers1``);  C8: as C with 8 layer ids (``--layers8``)
     D    as C over tcp with ``transport.shm=off``; ``D:4`` spreads the load over 4 receivers
          (4 tcp connections, the publisher hands each sample to one student by credit)
@@ -93,6 +95,7 @@ MODES = {
     "C": ("ours", "layers", "auto", {}),
     "Cp": ("ours", "layers", "auto", {"pinned_buffers": 32}),  # explicit 32 (now the default)
     "C4": ("ours", "layers", "auto", {"pinned_buffers": 4}),  # the first run's default
+    "Cs": ("ours", "layers", "auto", {"copy_threads": 1, "receiver_threads": 1}),  # serial copies
     "C1": ("ours", "layers1", "auto", {}),
     "C8": ("ours", "layers8", "auto", {}),
     "D": ("ours", "layers", "off", {}),
@@ -133,6 +136,9 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--reader-threads", type=int, default=8, help="B: threads of the reader process")
+    p.add_argument(
+        "--receiver-threads", type=int, default=4, help="C/D/T: torch threads of each receiver (its copy)"
+    )
     p.add_argument("--transport-samples", type=int, default=256, help="T: samples per case")
     p.add_argument("--phase-timeout", type=float, default=240.0, help="most seconds to wait for samples")
     p.add_argument("--step-timeout", type=int, default=420, help="most seconds per mode process")
@@ -317,7 +323,7 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
     """C/D/T's student-side receiver: every sample is checked, copied once and acked."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.receiver_threads)  # the copy below is split over these
     sys.path.insert(0, REPO)
     from distill.config import TransportConfig
     from distill.transport import Subscriber
@@ -615,6 +621,8 @@ def run_transport_only(args, hf, res):
 def run_one(args):
     name, receivers, repeats = parse_mode(args.run_one, args.repeats)
     kind, layer_key, shm, mode_extra = MODES[name]
+    mode_extra = dict(mode_extra)
+    args.receiver_threads = mode_extra.pop("receiver_threads", args.receiver_threads)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     hf = model_config(args)
     hidden = hf["hidden_size"]
@@ -626,6 +634,7 @@ def run_one(args):
         "layers": layers,
         "receivers": receivers,
         "shm": shm,
+        "receiver_threads": args.receiver_threads if kind in ("ours", "transport") else None,
         "repeats": repeats,
         "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len,

@@ -158,6 +158,7 @@ def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_
         include_output_tokens=cfg.include_output_tokens,
         queue_samples=cfg.queue_samples,
         pinned_buffers=cfg.pinned_buffers,
+        copy_threads=cfg.copy_threads,
         # No caller reads the returned paths while we run: skip the per-request lock files (a file
         # create + flock + unlink on the engine step for each request); spooled files still get one.
         use_lock=False,

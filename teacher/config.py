@@ -37,6 +37,10 @@ class ConnectorConfig(Strict):
     # that finish per engine step: the rest are copied synchronously on the engine's thread (H200,
     # Qwen3-8B: 4 buffers gave 0.80x plain prefill, 32 gave 0.98x; BENCHMARKS.md).
     pinned_buffers: int = Field(32, ge=0)
+    # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
+    # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
+    # the sender thread. Shortens the time from a request's end to the student having it.
+    copy_threads: int = Field(4, ge=1, le=64)
     # At connector shutdown: how long to wait for students to ack what is still in flight before
     # the Publisher spools it.
     drain_timeout_s: float = Field(5.0, ge=0)
@@ -119,6 +123,7 @@ class TeacherConfig(Strict):
     connector_mode: Literal["stream", "spool"] = "stream"
     queue_samples: int = Field(64, gt=0)
     pinned_buffers: int = Field(32, ge=0)
+    copy_threads: int = Field(4, ge=1, le=64)
     # Extra keyword arguments for vllm.LLM (escape hatch; prefer the typed keys above).
     engine_args: dict[str, Any] = Field(default_factory=dict)
 

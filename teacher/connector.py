@@ -59,6 +59,7 @@ import fcntl
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so it shares vLLM's log handler
 
 _STOP = object()  # sender-thread sentinel
+_PARALLEL_COPY_BYTES = 4 << 20  # smaller copies stay on the sender thread
 
 
 @dataclass
@@ -178,6 +180,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._pending_copies: dict[str, Any] = {}  # req_id -> CUDA event of its copy (None: done)
         self._finished_reqs: set[str] = set()  # req_ids the scheduler finished, awaiting their copy
         self._pinned: _PinnedPool | None = None  # CUDA staging buffers
+        self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
         self._closed = False
 
@@ -251,6 +254,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             return
         if self._kv_cache.is_cuda:
             self._pinned = _PinnedPool(self.cfg.pinned_buffers)
+            if self.cfg.copy_threads > 1:
+                self._copy_pool = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="distill-copy")
         if self.cfg.mode == "stream":
             from distill.transport import Publisher
 
@@ -364,10 +369,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 slot = self._publisher.ring_slot({k: (list(t.shape), t.dtype) for k, t in tensors.items()})
             if slot is not None:
                 for k, t in tensors.items():
-                    slot.tensors[k].copy_(t)
+                    self._copy(slot.tensors[k], t)
                 tensors = dict(slot.tensors)
             else:
-                tensors["hidden_states"] = hs.clone()
+                tensors["hidden_states"] = self._copy(torch.empty_like(hs), hs)
             self._pinned.give(job.staging)
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", int(hs.shape[0]))
@@ -386,6 +391,22 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._placed["spool"] += 1
             if job.lock_fd is None or where != job.info.path:
                 _touch(where + ".lock")  # so vLLM's load_hidden_states can read it too
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """`dst.copy_(src)`, split in chunks over the copy threads when it is large (CUDA path)."""
+        nbytes = src.numel() * src.element_size()
+        pool = self._copy_pool
+        if pool is None or nbytes < _PARALLEL_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
+            return dst.copy_(src)
+        d = dst.reshape(-1).view(torch.uint8)
+        s = src.reshape(-1).view(torch.uint8)
+        n = self.cfg.copy_threads
+        step = -(-nbytes // n)
+        step = -(-step // 4096) * 4096  # page-aligned chunks
+        futures = [pool.submit(d[i : i + step].copy_, s[i : i + step]) for i in range(0, nbytes, step)]
+        for f in futures:
+            f.result()  # re-raises a failed chunk
+        return dst
 
     def shutdown(self):
         if self._closed:
@@ -417,6 +438,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         for fd in self._lock_fds.values():
             os.close(fd)
         self._lock_fds.clear()
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
         if self._sender is not None:
             pinned = self._pinned._count if self._pinned is not None else 0
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)

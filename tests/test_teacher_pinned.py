@@ -38,11 +38,19 @@ def test_pool_disabled():
     assert _PinnedPool(0, pin=False).take(10) is None
 
 
-def test_staged_sample_goes_straight_into_a_ring_slot(tmp_path):
+@pytest.mark.parametrize(
+    ("copy_threads", "shm", "rows"),
+    [(1, "auto", 8), (3, "auto", 1031), (3, "off", 1031)],
+    ids=["one-copy-ring", "chunked-ring", "chunked-pageable"],
+)
+def test_staged_sample_copied_out_once(tmp_path, copy_threads, shm, rows):
     """The CUDA placement path on the CPU: a sample in a (here unpinned) staging buffer is copied
-    once into a shared-memory ring slot and submitted with it; the staging buffer goes back to the
-    pool and may be overwritten at once without touching what the student receives."""
+    once, into a shared-memory ring slot (shm auto) or fresh memory (shm off), and submitted; the
+    staging buffer goes back to the pool and may be overwritten at once without touching what the
+    student receives. With copy_threads > 1 and >= 4 MiB the copy is split into page-aligned
+    chunks over a thread pool (1031 rows: 8.05 MiB, not a multiple of the chunking)."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
@@ -52,32 +60,42 @@ def test_staged_sample_goes_straight_into_a_ring_slot(tmp_path):
     from teacher.connector import DistillHiddenStatesConnector, _Job, _SampleInfo
 
     ep = f"ipc://{tmp_path}/t.sock"
-    tcfg = TransportConfig(bind=[ep], connect=[ep], shm_dir=str(tmp_path), shm_bytes=16 * MiB)
+    tcfg = TransportConfig(bind=[ep], connect=[ep], shm=shm, shm_dir=str(tmp_path), shm_bytes=16 * MiB)
     conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)  # no engine needed
-    conn.cfg = ConnectorConfig(transport=tcfg, spool=SpoolConfig(dir=str(tmp_path / "spool")))
+    conn.cfg = ConnectorConfig(
+        transport=tcfg, spool=SpoolConfig(dir=str(tmp_path / "spool")), copy_threads=copy_threads
+    )
     conn.layer_ids = [1, 2]
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
     conn._pinned = _PinnedPool(1, pin=False)
+    conn._copy_pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
+    shape = (rows, 2, 1024)
+    nbytes = rows * 2 * 1024 * 4
     with Publisher(tcfg, conn.cfg.spool) as pub, Subscriber(tcfg) as sub:
         conn._publisher = pub
         deadline = time.monotonic() + 10
         while pub.stats()["students"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        staging = conn._pinned.take(8 * 2 * 16 * 4)
-        hs = staging[: 8 * 2 * 16 * 4].view(torch.float32).view(8, 2, 16)
-        want = torch.arange(8 * 2 * 16, dtype=torch.float32).view(8, 2, 16)
+        staging = conn._pinned.take(nbytes)
+        hs = staging[:nbytes].view(torch.float32).view(shape)
+        want = torch.arange(rows * 2 * 1024, dtype=torch.float32).view(shape)
         hs.copy_(want)
         info = _SampleInfo(key="row-1", meta={"m": 1}, path=str(tmp_path / "spool" / "x"))
-        conn._place(_Job("req-1", info, torch.arange(8), hs, None, staging, None))
+        conn._place(_Job("req-1", info, torch.arange(rows), hs, None, staging, None))
         assert conn._pinned.take(1) is staging  # given back to the pool ...
         staging.fill_(0)  # ... and reused at once
         s = sub.get(timeout=10)
         assert s is not None and s.key == "row-1" and s.meta["m"] == 1
         assert torch.equal(s.tensors["hidden_states"], want)
-        assert torch.equal(s.tensors["token_ids"], torch.arange(8))
-        assert sub.stats()["shm_samples"] == 1 and pub.stats()["shm_samples"] == 1
+        assert torch.equal(s.tensors["token_ids"], torch.arange(rows))
+        ring = 1 if shm == "auto" else 0
+        assert sub.stats().get("shm_samples", 0) == ring and pub.stats().get("shm_samples", 0) == ring
         sub.ack(s)
         deadline = time.monotonic() + 10
         while pub.stats()["acked"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert pub._ring.used_bytes == 0
+        assert pub.stats()["acked"] == 1
+        if ring:
+            assert pub._ring.used_bytes == 0
+    if conn._copy_pool is not None:
+        conn._copy_pool.shutdown()
