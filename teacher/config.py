@@ -35,7 +35,7 @@ class ConnectorConfig(Strict):
     queue_samples: int = Field(64, gt=0)
     # CUDA only: reused pinned staging buffers for the device-to-host copy. Keep it >= the requests
     # that finish per engine step: the rest are copied synchronously on the engine's thread (H200,
-    # Qwen3-8B: 4 buffers gave 0.80x plain prefill, 32 gave 0.98x; BENCHMARKS.md).
+    # Qwen3-8B: 4 buffers gave 0.80x plain prefill, 32 gave 0.977x generate; BENCHMARKS.md).
     pinned_buffers: int = Field(32, ge=0)
     # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
