@@ -64,6 +64,10 @@ class TransportConfig(Strict):
     # Student side: raise glibc's mmap/trim thresholds so large received frames reuse warm heap
     # memory instead of a fresh mmap per sample (distill.transport.tune_malloc).
     tune_malloc: bool = True
+    # Student side: how many keys it acked it remembers to drop a redelivered copy (oldest forgotten
+    # first, so memory stays flat on runs of days; the teacher never resends an acked key, and the
+    # student's ledger still skips everything it trained).
+    dedup_keys: int = Field(1_000_000, gt=0)
     # Send/receive kernel buffer sizes for tcp (0 = OS default).
     socket_buffer_bytes: int = Field(4 * MiB, ge=0)
 

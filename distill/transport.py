@@ -705,7 +705,8 @@ class Subscriber:
         self.cfg = cfg
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self._skip = skip_keys if skip_keys is not None else set()
-        self._consumed: set[str] = set()  # keys acked in this process
+        # keys acked in this process, oldest first, at most cfg.dedup_keys
+        self._consumed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._held: set[str] = set()  # keys handed to the consumer and not yet acked
         self._q: queue.Queue = queue.Queue()
         self._acks: collections.deque = collections.deque()
@@ -787,10 +788,12 @@ class Subscriber:
             samples = [samples]
         with self._lock:
             for s in samples:
-                self._consumed.add(s.key)
+                self._consumed[s.key] = None
                 self._held.discard(s.key)
                 self._acks.append((s.teacher, s.seq))
                 self._counters["acked"] += 1
+            while len(self._consumed) > self.cfg.dedup_keys:
+                self._consumed.popitem(last=False)
         self._wake.set()
 
     @property

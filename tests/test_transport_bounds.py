@@ -160,3 +160,23 @@ def test_samples_in_memory_spool_once_students_are_gone(tmp_path):
                 sub2.ack(s)
         assert sorted(keys) == sorted(f"k{i}" for i in range(6))
         assert list_spool(spool) == []
+
+
+def test_student_remembers_a_bounded_window_of_acked_keys(tmp_path):
+    """Over real sockets: every sample arrives and is acked, and the student keeps only the newest
+    `dedup_keys` acked keys (memory stays flat on long runs), oldest forgotten first."""
+    ep = f"ipc://{tmp_path}/t.sock"
+    cfg = TransportConfig(bind=[ep], connect=[ep], shm="off", dedup_keys=5)
+    with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(cfg) as sub:
+        assert _wait(lambda: pub.stats()["students"] == 1)
+        for i in range(20):
+            pub.submit(_sample(i, kib=4))
+        got = []
+        while len(got) < 20:
+            s = sub.get(timeout=10)
+            assert s is not None, f"only {len(got)} of 20 samples arrived"
+            got.append(s.key)
+            sub.ack(s)
+        assert sorted(got) == sorted(f"k{i}" for i in range(20))
+        assert list(sub._consumed) == got[-5:]
+        assert _wait(lambda: pub.stats()["acked"] == 20)
