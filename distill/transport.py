@@ -28,6 +28,7 @@ to it through a queue and a wake-up pipe.
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import math
 import os
@@ -188,6 +189,20 @@ class Publisher:
     # --- public API (any thread) -------------------------------------------------------------
 
     def start(self) -> Publisher:
+        if self.journal_path:
+            # Locked while this teacher appends to it: a second teacher on the same journal, or
+            # distill-reconcile rewriting it, would lose acknowledged keys.
+            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+            self._journal_f = open(self.journal_path, "a", buffering=1)
+            try:
+                fcntl.flock(self._journal_f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._journal_f.close()
+                self._journal_f = None
+                raise TransportError(
+                    f"journal {str(self.journal_path)!r} is in use by another process (a teacher "
+                    "running with the same journal, or distill-reconcile); give each teacher its own"
+                ) from None
         ctx = zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -204,19 +219,19 @@ class Publisher:
                 self._sock.bind(ep)
             except zmq.ZMQError as e:
                 self._sock.close(0)
+                self._close_journal()
                 raise TransportError(f"cannot bind teacher endpoint {ep!r}: {e}") from None
         if self.cfg.shm != "off":
             try:
                 self._ring = ShmRing(self.cfg.shm_dir, f"distill-{self.tid}.ring", self.cfg.shm_bytes)
             except OSError as e:
                 if self.cfg.shm == "on":
+                    self._sock.close(0)
+                    self._close_journal()
                     raise TransportError(
                         f"cannot create shared-memory ring in {self.cfg.shm_dir}: {e}"
                     ) from None
                 log.warning("shared-memory ring unavailable (%s); all samples travel in frames", e)
-        if self.journal_path:
-            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-            self._journal_f = open(self.journal_path, "a", buffering=1)
         # Samples left in the spool by an earlier run are replayed too.
         self._replay.extend(list_spool(self.spool_cfg.dir))
         self._thread = threading.Thread(target=self._run, name="distill-publisher", daemon=True)
@@ -352,10 +367,14 @@ class Publisher:
                 self._counters["spooled_bytes"] += e.nbytes
         if self._ring is not None:
             self._ring.close()
-        if self._journal_f:
-            self._journal_f.close()
+        self._close_journal()
         self._sock.close(linger=int(linger_s * 1000))
         self._wake.close()
+
+    def _close_journal(self) -> None:
+        if self._journal_f:
+            self._journal_f.close()  # also releases its lock
+            self._journal_f = None
 
     def stats(self) -> dict:
         with self._lock:

@@ -1,0 +1,149 @@
+"""distill-reconcile: after the students crash, make the teacher send again what their checkpoint lacks.
+
+Students acknowledge a sample after the optimizer step that used it, and save a checkpoint (model,
+optimizer, and the ledger of trained sample keys) every `student.checkpoint_every` steps. When the
+students die, the samples they acknowledged after their last checkpoint were trained into a model
+state that is gone: the teacher's journal lists them as done, the checkpoint's ledger does not
+have them. Resuming from the checkpoint alone would leave them out of training for good.
+
+This tool removes those keys from the teacher's journal. The next `distill-teacher` run (which
+skips the keys in its journal and in its spool folder) generates them again, and the students,
+resumed from that checkpoint (`student.resume_from: latest`), train each of them once.
+
+    distill-reconcile --journal runs/journal.txt --checkpoint runs/student/checkpoints
+    distill-reconcile ... --dry-run        # only report
+
+Order: stop the teacher (the journal is locked while a teacher writes it), reconcile, start the
+teacher, start the students. `--checkpoint` takes the checkpoints folder (its `latest` is used),
+`latest` itself, or one `step_*` folder: use the one the students will resume from. One journal per
+student job: keys acknowledged by students that are not part of this checkpoint's job would be
+sent again too. The original journal is kept next to it as `<journal>.bak-<time>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+class ReconcileError(Exception):
+    """Bad input; the message says what to fix."""
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A `step_*` folder from a checkpoints folder (its `latest`), `latest` itself or a step folder."""
+    p = Path(path)
+    if p.is_dir() and (p / "latest").is_file():
+        p = p / (p / "latest").read_text().strip()
+    elif p.is_file() and p.name == "latest":
+        p = p.parent / p.read_text().strip()
+    if not p.is_dir():
+        raise ReconcileError(f"checkpoint {str(path)!r} is not a folder (nor a checkpoints folder with 'latest')")
+    if not any(p.glob("custom_checkpoint_*.pkl")):
+        raise ReconcileError(
+            f"{str(p)!r} is not a student checkpoint: no custom_checkpoint_*.pkl (Accelerate's save_state)"
+        )
+    return p
+
+
+def checkpoint_ledger(ckpt: Path) -> tuple[int, set[str]]:
+    """(optimizer step, trained keys) of the ledger saved in a student checkpoint."""
+    import torch
+
+    for f in sorted(ckpt.glob("custom_checkpoint_*.pkl")):
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)  # plain data, no code
+        except Exception:
+            continue
+        if isinstance(state, dict) and {"step", "trained", "history"} <= state.keys():
+            return int(state["step"]), {str(e[0]) for e in state["trained"]}
+    raise ReconcileError(f"no ledger (step, trained, history) among {str(ckpt)!r}/custom_checkpoint_*.pkl")
+
+
+def reconcile(journal: str | os.PathLike, checkpoint: str | os.PathLike, *, dry_run: bool = False) -> dict:
+    """Drop from `journal` every key that `checkpoint`'s ledger lacks. Returns what it found/did."""
+    jpath = Path(journal)
+    if not jpath.is_file():
+        raise ReconcileError(f"journal {str(jpath)!r} does not exist")
+    ckpt = resolve_checkpoint(checkpoint)
+    step, trained = checkpoint_ledger(ckpt)
+    with open(jpath, "r+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ReconcileError(
+                f"journal {str(jpath)!r} is in use (a teacher is running with it): stop it first"
+            ) from None
+        lines = f.read().split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        keep, dropped = [], []
+        for k in lines:
+            if not k:
+                continue
+            (keep if k in trained else dropped).append(k)
+        result = {
+            "journal": str(jpath),
+            "checkpoint": str(ckpt),
+            "step": step,
+            "journal_keys": len(set(keep) | set(dropped)),
+            "checkpoint_keys": len(trained),
+            "dropped": len(set(dropped)),
+            "dropped_keys": sorted(set(dropped)),
+            "backup": None,
+        }
+        if dropped and not dry_run:
+            backup = jpath.with_name(f"{jpath.name}.bak-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.copy2(jpath, backup)
+            tmp = jpath.with_name(f".{jpath.name}.tmp")
+            with open(tmp, "w") as out:
+                out.write("".join(k + "\n" for k in keep))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, jpath)  # atomic; the lock held on the old file keeps teachers out meanwhile
+            result["backup"] = str(backup)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="distill-reconcile",
+        description="Remove from a teacher's journal the keys a student checkpoint did not train, "
+        "so the next distill-teacher run sends them again.",
+    )
+    ap.add_argument("--journal", required=True, help="the teacher's journal (teacher.journal)")
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="the students' checkpoints folder (uses its 'latest'), 'latest', or a step_* folder",
+    )
+    ap.add_argument("--dry-run", action="store_true", help="report only; leave the journal as it is")
+    args = ap.parse_args(argv)
+    try:
+        r = reconcile(args.journal, args.checkpoint, dry_run=args.dry_run)
+    except ReconcileError as e:
+        print(f"distill-reconcile: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"distill-reconcile: journal {r['journal_keys']} keys; checkpoint {r['checkpoint']} (step {r['step']}) "
+        f"trained {r['checkpoint_keys']}; {r['dropped']} acknowledged after it"
+    )
+    if r["dropped"] and args.dry_run:
+        print("distill-reconcile: dry run: journal unchanged")
+    elif r["dropped"]:
+        print(
+            f"distill-reconcile: removed them from the journal (original: {r['backup']}); start distill-teacher "
+            "to send them again, then resume the students from this checkpoint"
+        )
+    else:
+        print("distill-reconcile: nothing to do: the checkpoint holds every acknowledged key")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
