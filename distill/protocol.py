@@ -215,7 +215,7 @@ def decode_header(frame) -> dict:
             f"protocol version {v!r}, this side speaks {PROTOCOL_VERSION}: upgrade the older side",
         )
     k = header.get("k")
-    if k not in KINDS:
+    if not isinstance(k, int) or isinstance(k, bool) or k not in KINDS:
         raise ProtocolError("kind", f"unknown message kind {k!r}")
     return header
 
@@ -226,7 +226,7 @@ def _check_spec(spec, nframes: int | None):
     name, dt, shape, idx = spec
     if not isinstance(name, str):
         raise ProtocolError("field", "tensor name must be a string")
-    if dt not in DTYPES:
+    if not isinstance(dt, str) or dt not in DTYPES:
         raise ProtocolError("dtype", f"unknown dtype {dt!r} for tensor {name!r}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise ProtocolError("shape", f"shape of {name!r} must be a list of at most {MAX_NDIM} dims")

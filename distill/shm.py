@@ -100,7 +100,7 @@ class ShmReader:
             return True
         try:
             fd = os.open(path, os.O_RDONLY)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a NUL byte in a path sent by a bad peer
             return False
         try:
             mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)

@@ -712,7 +712,11 @@ class _Teacher:
     ended: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     last_hello: float = 0.0
+    ever_welcomed: bool = False  # a valid WELCOME came once: this teacher speaks our version
+    version_errors: int = 0  # messages in a row that carried another protocol version
 
+
+_VERSION_ERRORS_FATAL = 10  # that many in a row from a known teacher: it was replaced by another version
 
 _END = object()
 
@@ -916,10 +920,18 @@ class Subscriber:
             t.last_seen = time.monotonic()
             try:
                 header = P.decode_header(frames[0])
+                t.version_errors = 0
                 self._handle(t, header, frames[1:])
             except ProtocolError as e:
                 self._rejected[e.reason] += 1
                 if e.reason == "version":
+                    t.version_errors += 1
+                if e.reason == "version" and (
+                    not t.ever_welcomed or t.version_errors >= _VERSION_ERRORS_FATAL
+                ):
+                    # A teacher that never spoke our version (or stopped: restarted with another
+                    # release) is fatal and said so. One such message from a teacher that speaks
+                    # ours is a damaged frame: counted and dropped like any other.
                     self._error = (
                         f"teacher at {t.endpoint} speaks another protocol version ({e}); "
                         "install the same distill-stream version on teacher and students"
@@ -961,7 +973,7 @@ class Subscriber:
                 shm_ok = self._shm.attach(str(shm[0]), str(shm[1]))
             if self.cfg.shm == "on" and not shm_ok:
                 self._error = f"transport.shm is 'on' but the ring of teacher {t.endpoint} cannot be mapped"
-            t.welcomed = True
+            t.welcomed = t.ever_welcomed = True
             t.draining = t.ended = False
             t.sock.send(P.encode_control(P.CREDIT, shm_ok=shm_ok))
         elif kind == P.HEARTBEAT:
