@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spool", help="write a spool folder instead of publishing")
     ap.add_argument("--rate", type=float, default=0.0, help="samples per second (0 = as fast as possible)")
     ap.add_argument("--timeout", type=float, default=600.0, help="give up waiting for acks after this long")
+    ap.add_argument(
+        "--journal", help="file of acknowledged keys: appended to, and its keys are not sent again (resume)"
+    )
     args = ap.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")]
     samples = teacher_samples(args.model, args.data, layers, args.limit)
@@ -85,11 +88,14 @@ def main(argv: list[str] | None = None) -> None:
     from distill.transport import Publisher
 
     run = load_run_file(args.config, dict(parse_override(o) for o in args.set))
-    pub = Publisher(run.transport, run.spool)
+    done = Publisher.journal_keys(args.journal) if args.journal else set()
+    pub = Publisher(run.transport, run.spool, journal=args.journal)
     pub.start()
-    print(f"synthetic teacher: publishing on {run.transport.bind}", flush=True)
+    print(f"synthetic teacher: publishing on {run.transport.bind}; {len(done)} keys in the journal", flush=True)
     n = 0
     for s in samples:
+        if s.key in done:
+            continue
         pub.submit(s)
         n += 1
         if args.rate > 0:

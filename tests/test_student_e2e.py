@@ -395,3 +395,66 @@ def test_stream_from_the_vllm_teacher(assets, tmp_path):
         f"vLLM teacher: loss {m['steps'][0]['loss']:.3f} -> {m['steps'][-1]['loss']:.3f} (ratio {ratio:.2f})"
     )
     assert ratio < 0.8
+
+
+def test_crash_reconcile_restart_trains_every_sample_once(assets, tmp_path):
+    """The whole job dies after a checkpoint, once samples were acknowledged after it (the teacher
+    too, SIGKILL); distill-reconcile takes those keys out of the teacher's journal; a restarted
+    teacher sends what its journal lacks and the students resume from the checkpoint. The resumed
+    lineage trains every sample of the dataset exactly once: none lost, none twice."""
+    from student.ledger import Ledger
+
+    every = 4
+    run = run_file(tmp_path, assets, free_port(), checkpoint_every=every, resume_from="latest")
+    journal = tmp_path / "journal.txt"
+    ckpts = tmp_path / "out" / "checkpoints"
+    teacher = start_teacher(assets, run, tmp_path / "teacher1.log", "--rate", "12", "--journal", str(journal))
+    students = start_students(run, tmp_path / "students1.log")
+
+    def acked() -> set[str]:
+        return set(journal.read_text().split()) if journal.exists() else set()
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # a checkpoint at >= 2 * every, and then keys acked that it does not hold
+            assert students.poll() is None, (tmp_path / "students1.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint followed by acknowledgements appeared"
+            latest = ckpts / "latest"
+            if latest.is_file() and int(latest.read_text().split("_")[1]) >= 2 * every:
+                led = Ledger()
+                led.load_state_dict(torch.load(ckpts / latest.read_text() / "custom_checkpoint_1.pkl"))
+                if len(acked() - led.keys()) >= 2:
+                    break
+            time.sleep(0.05)
+    finally:
+        stop(students)
+        stop(teacher)
+    assert len(acked()) < N_SAMPLES, "the run finished before the kill"
+
+    rec = subprocess.run(
+        [PY, "-m", "distill.reconcile", "--journal", str(journal), "--checkpoint", str(ckpts)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert rec.returncode == 0, rec.stdout + rec.stderr
+    print(rec.stdout.strip())
+    ckpt = ckpts / (ckpts / "latest").read_text()
+    led = Ledger()
+    led.load_state_dict(torch.load(ckpt / "custom_checkpoint_1.pkl"))
+    assert acked() <= led.keys(), "keys acked after the checkpoint are still in the journal"
+
+    teacher = start_teacher(assets, run, tmp_path / "teacher2.log", "--journal", str(journal))
+    students = start_students(run, tmp_path / "students2.log")
+    log2 = tmp_path / "students2.log"
+    try:
+        assert wait(students, 240, log2) == 0, log2.read_text()[-4000:]
+        assert wait(teacher, 60, tmp_path / "teacher2.log") == 0
+    finally:
+        stop(students)
+        stop(teacher)
+    assert "resumed from" in log2.read_text()
+    m = metrics(tmp_path)
+    assert m["trained"][: len(led.trained)] == led.trained  # the checkpoint's lineage continues
+    check_disjoint_once(m["trained"], {f"s{i:04d}" for i in range(N_SAMPLES)})
+    assert acked() == {f"s{i:04d}" for i in range(N_SAMPLES)}
