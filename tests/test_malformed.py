@@ -3,11 +3,10 @@ keeps serving."""
 
 from __future__ import annotations
 
-import time
-
 import msgpack
 import torch
 import zmq
+from waiting import wait_until
 
 from distill import protocol as P
 from distill.config import SpoolConfig, TransportConfig
@@ -16,13 +15,7 @@ from distill.transport import Publisher, Subscriber, TransportError
 
 
 def _wait(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
+    return wait_until(cond, timeout)
 
 def test_teacher_rejects_garbage_and_keeps_serving(tmp_path):
     ep = f"ipc://{tmp_path}/t.sock"

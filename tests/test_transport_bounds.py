@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
+from waiting import wait_until
 
 from distill.config import SpoolConfig, TransportConfig
 from distill.protocol import Sample
@@ -14,14 +13,9 @@ from distill.transport import Publisher, Subscriber
 KiB = 1024
 
 
-def _wait(cond, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
+def _wait(cond, timeout=15.0):
+    return wait_until(cond, timeout)
 
 def _sample(i: int, kib: int = 64) -> Sample:
     return Sample(key=f"k{i}", tensors={"hidden_states": torch.full((kib * KiB // 4,), float(i))})
