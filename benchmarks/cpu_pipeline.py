@@ -150,6 +150,7 @@ def engine_run(model_name: str, mode: str, args, res_q) -> None:
     from vllm import LLM, SamplingParams
 
     from distill.tiny import build_tiny_model
+    from teacher.config import extraction_engine_args
 
     spec = MODELS[model_name]
     model = build_tiny_model(Path(args.work) / f"model-{model_name}", **spec)
@@ -170,23 +171,13 @@ def engine_run(model_name: str, mode: str, args, res_q) -> None:
         enable_chunked_prefill=False,
     )
     if mode != "plain":
-        kw["speculative_config"] = {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
-        }
         extra = {
             "mode": "stream" if mode == "stream" else "spool",
             "transport": {"bind": [ep], "connect_timeout_s": 300},
             "spool": {"dir": spool_dir},
             "drain_timeout_s": 5,
         }
-        kw["kv_transfer_config"] = {
-            "kv_connector": "DistillHiddenStatesConnector",
-            "kv_connector_module_path": "teacher.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": extra,
-        }
+        kw.update(extraction_engine_args(layer_ids, extra))
     llm = LLM(**kw)
     ctx = mp.get_context("spawn")
     rounds = []

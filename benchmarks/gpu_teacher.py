@@ -487,8 +487,8 @@ def cpu_delta(a, b, wall, top=8):
 # ----------------------------------------------------------------------------------------------
 
 
-def our_kv_transfer_config(args, layers, shm, endpoint, mode_extra):
-    """kv_transfer_config for our connector (teacher/connector.py)."""
+def our_connector_extra(args, shm, endpoint, mode_extra):
+    """kv_connector_extra_config for our connector (teacher/connector.py)."""
     extra = {
         "transport": {
             "bind": [endpoint],
@@ -505,12 +505,7 @@ def our_kv_transfer_config(args, layers, shm, endpoint, mode_extra):
             extra[k].update(v)
         else:
             extra[k] = v
-    return {
-        "kv_connector": args.connector_class,
-        "kv_connector_module_path": args.connector_module,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": extra,
-    }
+    return extra
 
 
 def run_transport_only(args, hf, res):
@@ -664,6 +659,9 @@ def run_one(args):
     import vllm
     from vllm import LLM, SamplingParams
 
+    sys.path.insert(0, REPO)
+    from teacher.config import extraction_engine_args
+
     res["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
     kw = dict(
         model=args.model_dir,
@@ -682,20 +680,24 @@ def run_one(args):
         kw["max_cudagraph_capture_size"] = args.max_cudagraph_capture_size
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if kind in ("file", "ours"):
-        kw["speculative_config"] = {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
-        }
     if kind == "file":
-        kw["kv_transfer_config"] = {
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": args.storage, "num_writer_threads": 8},
-        }
+        kw.update(
+            extraction_engine_args(
+                layers,
+                {"shared_storage_path": args.storage, "num_writer_threads": 8},
+                connector="ExampleHiddenStatesConnector",
+                module=None,
+            )
+        )
     elif kind == "ours":
-        kw["kv_transfer_config"] = our_kv_transfer_config(args, layers, shm, endpoint, mode_extra)
+        kw.update(
+            extraction_engine_args(
+                layers,
+                our_connector_extra(args, shm, endpoint, mode_extra),
+                connector=args.connector_class,
+                module=args.connector_module,
+            )
+        )
     res["llm_kwargs"] = kw
     log("LLM(", json.dumps(kw), ")")
     t0 = time.monotonic()

@@ -43,7 +43,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     elif p.is_file() and p.name == "latest":
         p = p.parent / p.read_text().strip()
     if not p.is_dir():
-        raise ReconcileError(f"checkpoint {str(path)!r} is not a folder (nor a checkpoints folder with 'latest')")
+        raise ReconcileError(
+            f"checkpoint {str(path)!r} is not a folder (nor a checkpoints folder with 'latest')"
+        )
     if not any(p.glob("custom_checkpoint_*.pkl")):
         raise ReconcileError(
             f"{str(p)!r} is not a student checkpoint: no custom_checkpoint_*.pkl (Accelerate's save_state)"
@@ -79,22 +81,17 @@ def reconcile(journal: str | os.PathLike, checkpoint: str | os.PathLike, *, dry_
             raise ReconcileError(
                 f"journal {str(jpath)!r} is in use (a teacher is running with it): stop it first"
             ) from None
-        lines = f.read().split("\n")
-        if lines and lines[-1] == "":
-            lines.pop()
-        keep, dropped = [], []
-        for k in lines:
-            if not k:
-                continue
-            (keep if k in trained else dropped).append(k)
+        keys = [k for k in f.read().splitlines() if k]
+        keep = [k for k in keys if k in trained]
+        dropped = sorted(set(keys) - trained)
         result = {
             "journal": str(jpath),
             "checkpoint": str(ckpt),
             "step": step,
-            "journal_keys": len(set(keep) | set(dropped)),
+            "journal_keys": len(set(keys)),
             "checkpoint_keys": len(trained),
-            "dropped": len(set(dropped)),
-            "dropped_keys": sorted(set(dropped)),
+            "dropped": len(dropped),
+            "dropped_keys": dropped,
             "backup": None,
         }
         if dropped and not dry_run:

@@ -926,12 +926,12 @@ class Subscriber:
                 self._rejected[e.reason] += 1
                 if e.reason == "version":
                     t.version_errors += 1
+                # A teacher that never spoke our version (or stopped: restarted with another
+                # release) is fatal and said so. One such message from a teacher that speaks ours
+                # is a damaged frame: counted and dropped like any other.
                 if e.reason == "version" and (
                     not t.ever_welcomed or t.version_errors >= _VERSION_ERRORS_FATAL
                 ):
-                    # A teacher that never spoke our version (or stopped: restarted with another
-                    # release) is fatal and said so. One such message from a teacher that speaks
-                    # ours is a damaged frame: counted and dropped like any other.
                     self._error = (
                         f"teacher at {t.endpoint} speaks another protocol version ({e}); "
                         "install the same distill-stream version on teacher and students"

@@ -26,9 +26,10 @@ from distill.protocol import Sample
 
 
 def teacher_samples(
-    model_dir: str, data: str, layers: list[int], limit: int | None = None
+    model_dir: str, data: str, layers: list[int], limit: int | None = None, skip: set[str] = frozenset()
 ) -> Iterator[Sample]:
-    """Yield one Sample per dataset row, computed by the model at `model_dir` (fp32, CPU)."""
+    """Yield one Sample per dataset row (but rows whose id is in `skip`), computed by the model at
+    `model_dir` (fp32, CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -41,6 +42,8 @@ def teacher_samples(
     model.model.norm.register_forward_pre_hook(lambda m, a: prenorm.__setitem__("h", a[0]))
     rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
     for row in rows[:limit]:
+        if row["id"] in skip:
+            continue
         ids = tok(row["text"], return_tensors="pt")["input_ids"]
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
@@ -71,13 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")]
-    samples = teacher_samples(args.model, args.data, layers, args.limit)
 
     if args.spool:
         from distill.spool import write_sample
 
         n = 0
-        for s in samples:
+        for s in teacher_samples(args.model, args.data, layers, args.limit):
             s.teacher = "synthetic"
             write_sample(args.spool, s)
             n += 1
@@ -91,11 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     done = Publisher.journal_keys(args.journal) if args.journal else set()
     pub = Publisher(run.transport, run.spool, journal=args.journal)
     pub.start()
-    print(f"synthetic teacher: publishing on {run.transport.bind}; {len(done)} keys in the journal", flush=True)
+    print(
+        f"synthetic teacher: publishing on {run.transport.bind}; {len(done)} keys in the journal", flush=True
+    )
     n = 0
-    for s in samples:
-        if s.key in done:
-            continue
+    for s in teacher_samples(args.model, args.data, layers, args.limit, skip=done):
         pub.submit(s)
         n += 1
         if args.rate > 0:

@@ -49,6 +49,7 @@ from teacher.config import (
     ConnectorConfig,
     TeacherConfig,
     check_layer_ids,
+    extraction_engine_args,
     load_teacher_config,
     model_num_layers,
 )
@@ -118,17 +119,7 @@ def build_llm(cfg: TeacherConfig, conn: ConnectorConfig):
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         load_format=cfg.load_format,
         seed=cfg.seed,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.layer_ids)}},
-        },
-        kv_transfer_config={
-            "kv_connector": "DistillHiddenStatesConnector",
-            "kv_connector_module_path": "teacher.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": conn.model_dump(mode="json"),
-        },
+        **extraction_engine_args(cfg.layer_ids, conn.model_dump(mode="json")),
     )
     args.update(cfg.engine_args)
     return LLM(**args)

@@ -15,6 +15,29 @@ from pydantic import Field, field_validator, model_validator
 from distill.config import ConfigError, SpoolConfig, Strict, TransportConfig, load_yaml, validate
 
 
+def extraction_engine_args(
+    layer_ids: list[int],
+    connector_extra: dict[str, Any],
+    *,
+    connector: str = "DistillHiddenStatesConnector",
+    module: str | None = "teacher.connector",
+) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments that extract `layer_ids` (the `extract_hidden_states`
+    speculative method) and hand each finished request to `connector` (default: ours, configured
+    by `connector_extra`, i.e. a ConnectorConfig as a dict). `module=None`: a connector vLLM ships."""
+    kv = {"kv_connector": connector, "kv_role": "kv_producer", "kv_connector_extra_config": connector_extra}
+    if module:
+        kv["kv_connector_module_path"] = module
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        "kv_transfer_config": kv,
+    }
+
+
 class ConnectorConfig(Strict):
     """What `DistillHiddenStatesConnector` reads from `kv_connector_extra_config`."""
 

@@ -10,7 +10,7 @@ import random
 import msgpack
 import pytest
 import torch
-from waiting import wait_until
+from waiting import wait_until as _wait
 
 from distill import protocol as P
 from distill.protocol import ProtocolError, Sample
@@ -177,10 +177,6 @@ def test_mutated_shared_memory_references_decode_or_raise_protocol_error(tmp_pat
 
 # ---- over real sockets: the peers' I/O threads survive a stream of mutated messages ----------
 
-
-
-def _wait(cond, timeout=15.0):
-    return wait_until(cond, timeout)
 
 def _no_end(h):
     """A mutated kind may become END (a valid "stream over"): keep the stream open for the test."""

@@ -17,6 +17,7 @@ from distill.transport import Publisher, Subscriber, TransportError
 def _wait(cond, timeout=10.0):
     return wait_until(cond, timeout)
 
+
 def test_teacher_rejects_garbage_and_keeps_serving(tmp_path):
     ep = f"ipc://{tmp_path}/t.sock"
     cfg = TransportConfig(bind=[ep], connect=[ep], heartbeat_interval_s=0.1, shm="off")

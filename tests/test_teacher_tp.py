@@ -30,6 +30,7 @@ def test_tp2_rank0_only_one_file_per_sample(tmp_path, capfd):
     )
 
     from teacher.cli import shutdown_llm
+    from teacher.config import extraction_engine_args
 
     model = build_tiny_model(tmp_path / "tiny")
     rows = [
@@ -47,17 +48,7 @@ def test_tp2_rank0_only_one_file_per_sample(tmp_path, capfd):
             max_model_len=512,
             enable_chunked_prefill=False,
             tensor_parallel_size=2,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
-            },
-            kv_transfer_config={
-                "kv_connector": "DistillHiddenStatesConnector",
-                "kv_connector_module_path": "teacher.connector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"mode": "spool", "spool": {"dir": str(spool)}},
-            },
+            **extraction_engine_args(LAYER_IDS, {"mode": "spool", "spool": {"dir": str(spool)}}),
         )
     finally:
         for k, v in old.items():

@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 from distill.config import SpoolConfig, TransportConfig  # noqa: E402
 from distill.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
 from distill.transport import Subscriber  # noqa: E402
+from teacher.config import extraction_engine_args  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,22 +55,15 @@ def setup(tmp_path_factory):
         max_model_len=512,
         enable_chunked_prefill=False,
         seed=0,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
-        },
-        kv_transfer_config={
-            "kv_connector": "DistillHiddenStatesConnector",
-            "kv_connector_module_path": "teacher.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {
+        **extraction_engine_args(
+            LAYER_IDS,
+            {
                 "mode": "stream",
                 "transport": transport.model_dump(),
                 "spool": spool.model_dump(),
                 "journal": str(root / "journal.txt"),
             },
-        },
+        ),
     )
     sub = Subscriber(transport).start()
     yield {"llm": llm, "model": model, "rows": rows, "sub": sub, "root": root}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from waiting import wait_until
+from waiting import wait_until as _wait
 
 from distill.config import SpoolConfig, TransportConfig
 from distill.protocol import Sample
@@ -12,10 +12,6 @@ from distill.transport import Publisher, Subscriber
 
 KiB = 1024
 
-
-
-def _wait(cond, timeout=15.0):
-    return wait_until(cond, timeout)
 
 def _sample(i: int, kib: int = 64) -> Sample:
     return Sample(key=f"k{i}", tensors={"hidden_states": torch.full((kib * KiB // 4,), float(i))})
