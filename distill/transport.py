@@ -156,8 +156,17 @@ class _Student:
 class Publisher:
     """Teacher side of the transport. See distill/API.md for the contract."""
 
-    def __init__(self, cfg: TransportConfig, spool: SpoolConfig | None = None, *, journal: str | None = None):
+    def __init__(
+        self,
+        cfg: TransportConfig,
+        spool: SpoolConfig | None = None,
+        *,
+        journal: str | None = None,
+        journal_lock_wait_s: float = 10.0,
+    ):
         self.cfg = cfg
+        # How long start() waits for another process to let go of the journal before refusing.
+        self.journal_lock_wait_s = journal_lock_wait_s
         self.spool_cfg = spool or SpoolConfig()
         self.tid = cfg.teacher_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         self.journal_path = Path(journal) if journal else None
@@ -194,15 +203,21 @@ class Publisher:
             # distill-reconcile rewriting it, would lose acknowledged keys.
             self.journal_path.parent.mkdir(parents=True, exist_ok=True)
             self._journal_f = open(self.journal_path, "a", buffering=1)
-            try:
-                fcntl.flock(self._journal_f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                self._journal_f.close()
-                self._journal_f = None
-                raise TransportError(
-                    f"journal {str(self.journal_path)!r} is in use by another process (a teacher "
-                    "running with the same journal, or distill-reconcile); give each teacher its own"
-                ) from None
+            deadline = time.monotonic() + self.journal_lock_wait_s
+            while True:
+                try:
+                    fcntl.flock(self._journal_f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() >= deadline:
+                        self._close_journal()
+                        raise TransportError(
+                            f"journal {str(self.journal_path)!r} is in use by another process (a "
+                            "teacher running with the same journal, or distill-reconcile); give each "
+                            "teacher its own"
+                        ) from None
+                # A restarted teacher may find the previous one's engine still exiting.
+                time.sleep(0.1)
         ctx = zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

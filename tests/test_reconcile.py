@@ -71,7 +71,9 @@ def test_a_running_teacher_holds_its_journal(tmp_path):
             reconcile(journal, ckpts)
         cfg2 = TransportConfig(bind=[f"ipc://{tmp_path}/t2.sock"], shm="off")
         with pytest.raises(TransportError, match="in use by another process"):
-            Publisher(cfg2, SpoolConfig(dir=str(tmp_path / "spool2")), journal=str(journal)).start()
+            Publisher(
+                cfg2, SpoolConfig(dir=str(tmp_path / "spool2")), journal=str(journal), journal_lock_wait_s=0.5
+            ).start()
     assert journal.read_text() == "a\nb\n"
     assert reconcile(journal, ckpts)["dropped"] == 1  # teacher stopped: the lock is gone
 
