@@ -8,8 +8,9 @@ optimizer step that used them.
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,10 @@ from distill.protocol import ProtocolError, Sample
 
 class StudentError(RuntimeError):
     """A problem the user must fix (config vs. teacher mismatch, missing data); printed without traceback."""
+
+
+class TeacherGoneError(StudentError):
+    """No teacher was heard for transport.teacher_wait_s: the student stops (exit code 3)."""
 
 
 @dataclass
@@ -112,6 +117,53 @@ def collate(samples: list[Sample], layer_ids: list[int]) -> Batch:
     return Batch(input_ids, mask, teacher, list(layer_ids), list(samples))
 
 
+def select(batch: Batch, keep: list[int]) -> Batch:
+    """The rows `keep` of `batch`, trimmed to their longest sample: equal to collating those samples."""
+    idx = torch.tensor(keep, dtype=torch.long)
+    mask = batch.mask.index_select(0, idx)
+    t = int(mask.sum(1).max()) if keep else 0
+    return Batch(
+        batch.input_ids.index_select(0, idx)[:, :t],
+        mask[:, :t],
+        batch.teacher.index_select(0, idx)[:, :t],
+        batch.layer_ids,
+        [batch.samples[i] for i in keep],
+    )
+
+
+def key_hash(key: str) -> int:
+    """A stable signed 64-bit hash of a sample key (the same on every rank and every run)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def agree(proposals: Sequence[Sequence[int]], taken: Sequence[Collection[int]] = ()) -> list[list[bool]]:
+    """Which proposed keys each rank trains in this micro-step: the same answer on every rank.
+
+    `proposals[r]` holds the key hashes of rank r's micro-batch, in order. A key is dropped when it
+    is in one of the `taken` sets (trained in a completed step, or accepted earlier in this
+    gradient accumulation) or was proposed before in this micro-step: by a lower rank, or earlier
+    by the same rank. Returns keep[r][i].
+    """
+    seen: set[int] = set()
+    out = []
+    for props in proposals:
+        row = []
+        for h in props:
+            ok = h not in seen and not any(h in t for t in taken)
+            if ok:
+                seen.add(h)
+            row.append(ok)
+        out.append(row)
+    return out
+
+
+def idle_wait_s(idle_flush_s: float, anyone_had_data: bool) -> float:
+    """How long a rank waits for samples in this iteration: `idle_flush_s` only when no rank had data
+    in the previous one; otherwise 0 (take what has arrived and go: an idle rank must not slow the
+    ranks that have a backlog to one batch per idle_flush_s)."""
+    return 0.0 if anyone_had_data else idle_flush_s
+
+
 def empty_batch(layer_ids: list[int], hidden_size: int) -> Batch:
     """A one-token all-padding batch: lets a rank without data take part in a collective step."""
     return Batch(
@@ -172,6 +224,10 @@ class TokenBudgetBatcher:
 #   exhausted                          no sample will ever come again
 #   draining                           the teacher has nothing waiting: flush partial batches now
 #   ack(samples)                       after the optimizer step that used them
+#   valid(sample) -> bool              after collate copied it: False = its memory was reused (stale)
+#   discard(samples)                   forget stale samples without acking (the teacher redelivers)
+#   commit()                           a checkpoint covers everything acked so far
+#   uncommitted                        acked, not yet committed
 # ---------------------------------------------------------------------------------------------
 
 
@@ -216,6 +272,17 @@ class SpoolSource:
     def ack(self, samples: list[Sample]) -> None:
         pass  # spool files are kept: the folder is the data set
 
+    def valid(self, sample: Sample) -> bool:
+        return True  # files are read into memory of our own
+
+    def discard(self, samples: list[Sample]) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    uncommitted = 0
+
     def stats(self) -> dict:
         return {}
 
@@ -238,12 +305,19 @@ def iter_spool_checked(directory: str, rank: int, world_size: int, skip_keys: se
 class StreamSource:
     """A live teacher (or several) through distill.transport.Subscriber."""
 
-    def __init__(self, transport_cfg, skip_keys: set[str]):
-        from distill.transport import Subscriber, TransportError
+    def __init__(self, transport_cfg, skip_keys: set[str], commit_on_ack: bool = True):
+        from distill import transport
 
-        self._errors = (ProtocolError, TransportError)  # both end the run with a clear message
+        self._errors = (ProtocolError, transport.TransportError)  # both end the run with a clear message
+        self._gone = getattr(transport, "TeacherGone", ())
+        self.teacher_wait_s = float(getattr(transport_cfg, "teacher_wait_s", 0.0))
         try:
-            self.sub = Subscriber(transport_cfg, skip_keys=skip_keys)
+            try:
+                self.sub = transport.Subscriber(
+                    transport_cfg, skip_keys=skip_keys, commit_on_ack=commit_on_ack
+                )
+            except TypeError:  # TODO(transition): a Subscriber before COMMIT; remove once distill/ has it
+                self.sub = transport.Subscriber(transport_cfg, skip_keys=skip_keys)
             self.sub.start()
         except self._errors as e:
             raise StudentError(transport_message(e)) from None
@@ -261,6 +335,8 @@ class StreamSource:
         t0 = time.perf_counter()
         try:
             return self.sub.get(timeout=timeout)
+        except self._gone as e:
+            raise TeacherGoneError(str(e)) from None
         except self._errors as e:
             raise StudentError(transport_message(e)) from None
         finally:
@@ -269,6 +345,21 @@ class StreamSource:
     def ack(self, samples: list[Sample]) -> None:
         if samples:
             self.sub.ack(samples)
+
+    def valid(self, sample: Sample) -> bool:
+        return bool(self.sub.valid(sample)) if hasattr(self.sub, "valid") else True
+
+    def discard(self, samples: list[Sample]) -> None:
+        if samples:
+            self.sub.discard(samples)
+
+    def commit(self) -> None:
+        if hasattr(self.sub, "commit"):
+            self.sub.commit()
+
+    @property
+    def uncommitted(self) -> int:
+        return int(getattr(self.sub, "uncommitted", 0))
 
     def stats(self) -> dict:
         return dict(self.sub.stats())
@@ -289,7 +380,18 @@ def next_micro_batch(source, batcher: TokenBudgetBatcher, idle_flush_s: float) -
 
     Returns as soon as the batch is full, the source is draining/exhausted, or no sample arrived
     for `idle_flush_s` seconds (a partial batch is better than a stalled collective step).
+    With `idle_flush_s` 0 (see `idle_wait_s`) it never waits: it takes the samples that have already
+    arrived, up to a full batch, and returns them (possibly none).
     """
+    if idle_flush_s <= 0:
+        while not batcher.full:
+            s = source.get(timeout=0.0)
+            if s is None:
+                break
+            ready = batcher.push(s)
+            if ready:
+                return ready
+        return batcher.flush()
     last = time.monotonic()
     while True:
         if batcher.full:

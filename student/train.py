@@ -40,11 +40,16 @@ from student.data import (
     SpoolSource,
     StreamSource,
     StudentError,
+    TeacherGoneError,
     TokenBudgetBatcher,
+    agree,
     check_sample,
     collate,
     empty_batch,
+    idle_wait_s,
+    key_hash,
     next_micro_batch,
+    select,
 )
 from student.ledger import Ledger
 from student.model import DistillModel, TeacherHead, load_student, teacher_config
@@ -174,15 +179,22 @@ def training_function(cfg: StudentConfig, run, args) -> None:
         )
 
     # --- data: this rank's share of the stream or of the spool folder ---
-    trained_keys = ledger.keys()
+    # With checkpoints, an ack only returns credit; the teacher records a key as done (COMMIT) once a
+    # checkpoint covers it. Without, every ack is also a commit.
     if cfg.mode == "spool":
-        source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, set(trained_keys), cfg.spool_layers)
+        source = SpoolSource(cfg.spool_dir or run.spool.dir, rank, world, ledger.keys(), cfg.spool_layers)
     else:
-        source = StreamSource(run.transport, set(trained_keys))
+        source = StreamSource(run.transport, ledger.keys(), commit_on_ack=cfg.checkpoint_every == 0)
     batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
 
     # --- the loop: one iteration = one collective micro-step ---
+    # Every rank keeps the same sets of 64-bit key hashes: `trained_h` (covered by a completed
+    # optimizer step, any rank, including the checkpoint's ledger) and `claimed_h` (accepted in the
+    # current gradient accumulation). A key in either is never trained again, by any rank.
+    trained_h = {key_hash(k) for k in ledger.keys()}
+    claimed_h: set[int] = set()
     pending = []  # samples whose gradients are accumulated; acked after the optimizer step
+    dup_wait = []  # this rank's dropped duplicates: acked after the next optimizer step, never trained
     micro = 0  # micro-batches accumulated since the last optimizer step
     synced = True  # was the last backward outside no_sync (gradients all-reduced)?
     acc = torch.zeros(len(TERMS) + 3, dtype=torch.float64)  # token-weighted terms, loss, tokens, samples
@@ -192,7 +204,10 @@ def training_function(cfg: StudentConfig, run, args) -> None:
         total=cfg.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="student"
     )
     stop = cfg.max_steps is not None and step >= cfg.max_steps
-    error = ""
+    error, gone = "", None
+    anyone_had_data = False  # in the previous iteration: decides whether a rank may wait for samples
+    last_ckpt = step
+    counts = {"stale": 0, "duplicates": 0}
 
     def backward(batch: Batch, weight: float, sync: bool):
         # DDP all-reduces gradients on a backward outside no_sync; inside, they accumulate locally.
@@ -203,36 +218,83 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             accelerator.backward(loss * weight)
         return loss.detach(), terms
 
+    def checkpoint() -> None:
+        """Collective: save, then tell the teacher that everything acked so far is covered."""
+        nonlocal last_ckpt
+        save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
+        source.commit()  # every rank passed save_checkpoint's final barrier: the save is complete
+        last_ckpt = step
+
     try:
         while not stop:
-            # 1. Every rank fills a micro-batch from its own source (empty after idle_flush_s).
-            samples = []
+            # 1. Every rank fills a micro-batch from its own source. It waits (up to idle_flush_s)
+            #    only when no rank had data last time; otherwise it goes with what has arrived.
+            samples, batch, code = [], None, 0
             try:
-                samples = next_micro_batch(source, batcher, cfg.idle_flush_s)
+                samples = next_micro_batch(source, batcher, idle_wait_s(cfg.idle_flush_s, anyone_had_data))
                 for s in samples:
                     check_sample(s, layer_ids, teacher_hidden)
+                if samples:
+                    # Copy first, then ask whether the memory was still the sample's (a shared-memory
+                    # slot is reused once the teacher declared this student gone): stale samples are
+                    # discarded, not acked; the teacher sends them again.
+                    batch = collate(samples, layer_ids)
+                    ok = [source.valid(s) for s in samples]
+                    if not all(ok):
+                        source.discard([s for s, v in zip(samples, ok, strict=True) if not v])
+                        counts["stale"] += ok.count(False)
+                        keep = [i for i, v in enumerate(ok) if v]
+                        samples = [samples[i] for i in keep]
+                        batch = select(batch, keep) if keep else None
+            except TeacherGoneError as e:
+                error, code, samples, batch = str(e), 2, [], None
             except StudentError as e:
-                error, samples = str(e), []
-            # Belt and braces: the Subscriber already skips the ledger's keys it was given and keys
-            # this rank acked; a copy of one trained here since (or merged at a checkpoint) is acked
-            # without training.
-            seen = [s for s in samples if s.key in trained_keys]
-            if seen:
-                source.ack(seen)
-                samples = [s for s in samples if s.key not in trained_keys]
-            tokens = sum(s.num_tokens for s in samples)
+                error, code, samples, batch = str(e), 1, [], None
             done_here = source.exhausted and not batcher.pending
-            # 2. Agree: ranks with data, global tokens, ranks finished, ranks failed.
-            flags = torch.tensor([len(samples) > 0, tokens, done_here, bool(error)], dtype=torch.float64)
-            flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum").cpu()
-            if flags[3] > 0:
-                raise StudentError(error or "another rank stopped with an error (see its message above)")
-            any_data, global_tokens, all_done = flags[0] > 0, float(flags[1]), int(flags[2]) == world
+            idle_here = source.draining and not batcher.pending and not samples and micro == 0
+            uncommitted = cfg.checkpoint_every > 0 and source.uncommitted > 0
 
-            # 3. Forward/backward. Each rank's loss is weighted by its share of the step's tokens, so
+            # 2. Agree (collective 1): samples proposed, finished, failed, idle, uncommitted acks.
+            info = torch.tensor([len(samples), done_here, code, idle_here, uncommitted], dtype=torch.int64)
+            info = accelerator.gather(info.to(accelerator.device)).cpu().view(world, -1)
+            if int(info[:, 2].max()) > 0:
+                if int(info[:, 2].max()) == 2:
+                    gone = error or "another rank heard nothing from the teacher"
+                    break
+                raise StudentError(error or "another rank stopped with an error (see its message above)")
+            all_done = int(info[:, 1].sum()) == world
+            n_max = int(info[:, 0].max())
+            anyone_had_data = n_max > 0
+
+            # 3. Agree on keys (collective 2, only when some rank has samples): each rank's key
+            #    hashes and token counts; every rank computes the same decision (`agree`).
+            tokens_per_rank = [0] * world
+            if n_max:
+                vec = torch.zeros(2 * n_max, dtype=torch.int64)
+                vec[: len(samples)] = torch.tensor([key_hash(s.key) for s in samples], dtype=torch.int64)
+                vec[n_max : n_max + len(samples)] = torch.tensor([s.num_tokens for s in samples])
+                allv = accelerator.gather(vec.to(accelerator.device)).cpu().view(world, -1)
+                proposals = [allv[r, : int(info[r, 0])].tolist() for r in range(world)]
+                keep_all = agree(proposals, (trained_h, claimed_h))
+                for r in range(world):
+                    kept = [i for i, k in enumerate(keep_all[r]) if k]
+                    tokens_per_rank[r] = int(allv[r, n_max:][kept].sum()) if kept else 0
+                    claimed_h.update(proposals[r][i] for i in kept)
+                mine = keep_all[rank]
+                if not all(mine):
+                    dup_wait.extend(s for s, k in zip(samples, mine, strict=True) if not k)
+                    counts["duplicates"] += mine.count(False)
+                    keep = [i for i, k in enumerate(mine) if k]
+                    samples = [samples[i] for i in keep]
+                    batch = select(batch, keep) if keep else None
+            tokens, global_tokens = tokens_per_rank[rank], sum(tokens_per_rank)
+            any_data = global_tokens > 0
+
+            # 4. Forward/backward. Each rank's loss is weighted by its share of the step's tokens, so
             #    DDP's mean over ranks is the token-weighted mean; a rank without data weighs 0.
             if any_data:
-                batch = collate(samples, layer_ids) if samples else empty_batch(layer_ids, teacher_hidden)
+                if batch is None:
+                    batch = empty_batch(layer_ids, teacher_hidden)
                 boundary = micro + 1 >= cfg.grad_accum_steps
                 weight = tokens * world / global_tokens
                 loss, terms = backward(batch.to(accelerator.device), weight, sync=boundary)
@@ -246,7 +308,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 acc[len(TERMS) + 1] += tokens
                 acc[len(TERMS) + 2] += len(samples)
 
-            # 4. Optimizer step: after grad_accum_steps micro-batches, or earlier when no rank had data
+            # 5. Optimizer step: after grad_accum_steps micro-batches, or earlier when no rank had data
             #    (idle teacher, end of stream): holding samples unacked would starve the teacher's credit.
             if micro and (micro >= cfg.grad_accum_steps or not any_data or all_done):
                 if not synced:  # the last backward was local: a zero-weight synced one all-reduces the sum
@@ -260,11 +322,13 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                # Only now may the teacher forget these samples: the step that used them is done.
-                source.ack(pending)
+                # Only now may the teacher forget these samples (and the duplicates this rank
+                # dropped): the step that used them is done.
+                source.ack(pending + dup_wait)
                 ledger.record([s.key for s in pending], rank, step)
-                trained_keys.update(s.key for s in pending)
-                pending, micro, synced = [], 0, True
+                trained_h |= claimed_h
+                claimed_h.clear()
+                pending, dup_wait, micro, synced = [], [], 0, True
 
                 # Metrics: global token-weighted means (one all-reduce per step).
                 wait = source.wait_s - wait_mark
@@ -309,22 +373,52 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                         {f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")}, step=step
                     )
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
-                    trained_keys |= ledger.keys()  # now includes the other ranks' keys
+                    checkpoint()
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
+            if micro == 0 and dup_wait:
+                # Nothing is accumulated: every key in trained_h is covered by a completed step.
+                source.ack(dup_wait)
+                dup_wait = []
+            # Drain checkpoint: every rank idle with the teacher draining, and acks that no
+            # checkpoint covers yet: the teacher sends END only once everything is committed.
+            if (
+                cfg.checkpoint_every
+                and int(info[:, 3].sum()) == world
+                and int(info[:, 4].sum()) > 0
+                and not all_done
+            ):
+                logger.info("teacher draining: checkpoint at step %d to commit what was acknowledged", step)
+                checkpoint()
             if all_done:
                 break
+        # Stopping for good (max_steps, end of stream): a checkpoint covers every trained step, so
+        # the teacher can record everything acked as done (a resumed run would skip nothing else).
+        if cfg.checkpoint_every and step > last_ckpt and gone is None:
+            checkpoint()
+        if gone is not None:
+            if cfg.checkpoint_every and step > last_ckpt:  # saved, not committed: no teacher to tell
+                save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
+            raise TeacherGoneError(gone_message(gone, len(trained_h), cfg, run, args))
     except BaseException:
         source.close()  # says BYE: the teacher redelivers what this rank held, at once
         raise
     finally:
         bar.close()  # before any error message, so it starts on a line of its own
+    if counts["stale"] or counts["duplicates"]:
+        logger.info(
+            "rank %d dropped %d stale and %d duplicate samples (not trained)",
+            rank,
+            counts["stale"],
+            counts["duplicates"],
+        )
 
     # --- the end: unacked samples go back to the teacher, the student is saved ---
     source.close()
     ledger.merge(flatten(gather_object([ledger.local])))
-    source_stats = gather_object([source.stats()])  # one dict per rank
+    source_stats = gather_object(
+        [{**source.stats(), "dropped_stale": counts["stale"], "dropped_duplicates": counts["duplicates"]}]
+    )  # one dict per rank
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = out_dir / "model"
@@ -341,6 +435,18 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     # Returned so that the caller holds them until it exits: freeing the DDP model here would
     # destroy gloo's process group, which can deadlock (see main()).
     return accelerator, model, optimizer
+
+
+def gone_message(why: str, trained: int, cfg: StudentConfig, run, args) -> str:
+    """The one line a student prints when its teacher is gone (exit code 3)."""
+    conf = args.config
+    return (
+        f"{why}; trained {trained} samples (checkpoints in {cfg.ckpt_dir}); the rest is with the "
+        f"teacher (its spool folder {run.spool.dir} and its journal); to finish the job restart the "
+        f"teacher: `distill-teacher --config {conf}`, then the students with the same launch command "
+        f"and resume_from: latest: `accelerate launch student.py --config {conf} "
+        f"--set student.resume_from=latest`"
+    )
 
 
 def flatten(gathered: list) -> list:
@@ -414,6 +520,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg, run = load_student_config(args.config, args.set)
         keep_alive = training_function(cfg, run, args)  # noqa: F841 (held until os._exit)
+    except TeacherGoneError as e:
+        # Every rank stops with code 3; only the main one says why, in one line.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"student: {e}", file=sys.stderr, flush=True)
+        keep_alive = e  # noqa: F841
+        code = 3
     except (ConfigError, StudentError) as e:
         print(f"student error: {e}", file=sys.stderr, flush=True)
         keep_alive = e  # noqa: F841 (its traceback holds the training frame's objects)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -23,10 +24,14 @@ from student.config import load_student_config
 from student.data import (
     StudentError,
     TokenBudgetBatcher,
+    agree,
     check_sample,
     collate,
+    idle_wait_s,
+    key_hash,
     layer_index,
     next_micro_batch,
+    select,
 )
 from student.ledger import Ledger
 
@@ -113,6 +118,101 @@ def test_next_micro_batch_flushes_at_end():
     got = [next_micro_batch(src, b, 0.5) for _ in range(4)]
     assert [[s.key for s in x] for x in got] == [["k0", "k1"], ["k2", "k3"], ["k4"], []]
     assert src.exhausted
+
+
+class _Backlog:
+    """A stream source with `ready` samples already received and more only after `delay` seconds."""
+
+    def __init__(self, ready, later=(), delay=30.0):
+        self.ready, self.later, self.delay = list(ready), list(later), delay
+        self.draining = self.exhausted = False
+        self.t0 = time.monotonic()
+        self.waited = 0.0
+
+    def get(self, timeout=0.0):
+        if self.ready:
+            return self.ready.pop(0)
+        if self.later and time.monotonic() - self.t0 >= self.delay:
+            return self.later.pop(0)
+        time.sleep(timeout)
+        self.waited += timeout
+        return None
+
+
+def test_idle_wait_rule_no_crawling_tail():
+    # A rank waits only when no rank had data in the previous iteration.
+    assert idle_wait_s(0.5, anyone_had_data=False) == 0.5
+    assert idle_wait_s(0.5, anyone_had_data=True) == 0.0
+    # Not waiting: it returns at once with what has arrived (a partial batch, or nothing).
+    b = TokenBudgetBatcher(max_tokens=16)
+    src = _Backlog([sample("a", 4)], [sample("late", 4)])
+    t0 = time.monotonic()
+    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["a"]
+    assert next_micro_batch(src, b, 0.0) == []
+    assert time.monotonic() - t0 < 0.1 and src.waited == 0.0
+    # ... but never more than a full batch: the rest stays for the next micro-step.
+    src = _Backlog([sample(f"k{i}", 4) for i in range(6)])
+    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["k0", "k1", "k2", "k3"]
+    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["k4", "k5"]
+    # Waiting: up to idle_flush_s for a sample, then an empty batch.
+    t0 = time.monotonic()
+    assert next_micro_batch(_Backlog([], [sample("late", 4)]), b, 0.3) == []
+    assert 0.25 < time.monotonic() - t0 < 1.0
+
+
+def test_agree_drops_trained_and_lower_rank_keys_the_same_on_every_rank():
+    h = {k: key_hash(k) for k in "abcdefg"}
+    trained, claimed = {h["a"]}, {h["b"]}  # a: an earlier step; b: earlier in this accumulation
+    proposals = [[h["c"], h["a"], h["d"]], [h["d"], h["e"], h["b"], h["c"]], [h["f"], h["f"], h["e"]]]
+    keep = agree(proposals, (trained, claimed))
+    assert keep == [[True, False, True], [False, True, False, False], [True, False, False]]
+    # Every rank computes it from the same gathered input: the same answer, and each key once.
+    assert agree([list(p) for p in proposals], (set(trained), set(claimed))) == keep
+    kept = [
+        k for props, row in zip(proposals, keep, strict=True) for k, ok in zip(props, row, strict=True) if ok
+    ]
+    assert sorted(kept) == sorted({h["c"], h["d"], h["e"], h["f"]})
+    assert agree([[], [h["g"]]]) == [[], [True]]
+
+
+def test_agree_over_micro_steps_trains_each_key_once():
+    """Two ranks receive overlapping keys (redeliveries) over several micro-steps: the union of what
+    they train is every key once, and a key is never trained after it was trained anywhere."""
+    import random
+
+    rng = random.Random(0)
+    keys = [f"k{i}" for i in range(60)]
+    trained, claimed, seen = set(), set(), []
+    for micro in range(40):
+        proposals = [[key_hash(k) for k in rng.sample(keys, 3)] for _ in range(2)]
+        keep = agree(proposals, (trained, claimed))
+        for props, row in zip(proposals, keep, strict=True):
+            for k, ok in zip(props, row, strict=True):
+                if ok:
+                    claimed.add(k)
+                    seen.append(k)
+        if micro % 3 == 2:  # an optimizer step
+            trained |= claimed
+            claimed.clear()
+    assert len(seen) == len(set(seen)) and len(seen) > 30
+
+
+def test_key_hash_is_stable_and_int64():
+    assert key_hash("s0001") == key_hash("s0001") != key_hash("s0002")
+    assert key_hash("s0001") == 8998327577190518501  # the same in every process and every run
+    assert all(-(2**63) <= key_hash(f"k{i}") < 2**63 for i in range(100))
+    torch.tensor([key_hash(f"k{i}") for i in range(100)], dtype=torch.int64)
+
+
+def test_select_rows_equals_collate_of_the_subset():
+    ss = [sample("a", 5, seed=1), sample("b", 9, seed=2), sample("c", 3, seed=3)]
+    full = collate(ss, [2, 4])
+    for keep in ([0, 2], [1], [2, 0]):
+        want = collate([ss[i] for i in keep], [2, 4])
+        got = select(full, keep)
+        for name in ("input_ids", "mask", "teacher"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name))
+        assert [s.key for s in got.samples] == [s.key for s in want.samples]
 
 
 def test_ledger_roundtrip():
