@@ -25,37 +25,47 @@ import torch
 from distill.protocol import Sample
 
 
+class SyntheticTeacher:
+    """A transformers model (fp32, CPU) and a JSONL data set: computes the Sample of any row id."""
+
+    def __init__(self, model_dir: str, data: str, layers: list[int], limit: int | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.num_layers = self.model.config.num_hidden_layers
+        bad = [i for i in layers if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} outside 0..{self.num_layers}")
+        self.layers = list(layers)
+        self._prenorm = {}
+        self.model.model.norm.register_forward_pre_hook(lambda m, a: self._prenorm.__setitem__("h", a[0]))
+        rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
+        self.rows = {r["id"]: r["text"] for r in rows[:limit]}  # in data set order
+
+    def sample(self, key: str) -> Sample:
+        ids = self.tok(self.rows[key], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = self.model(input_ids=ids, output_hidden_states=True)
+        hs = list(out.hidden_states)
+        hs[self.num_layers] = self._prenorm["h"]  # id L = before the final norm
+        stacked = torch.stack([hs[i][0] for i in self.layers], dim=1).contiguous()  # [T, n, H]
+        return Sample(
+            key=key,
+            tensors={"hidden_states": stacked, "token_ids": ids[0].to(torch.int64).contiguous()},
+            layers=list(self.layers),
+            meta={"num_tokens": int(ids.shape[1])},
+        )
+
+
 def teacher_samples(
     model_dir: str, data: str, layers: list[int], limit: int | None = None, skip: set[str] = frozenset()
 ) -> Iterator[Sample]:
-    """Yield one Sample per dataset row (but rows whose id is in `skip`), computed by the model at
-    `model_dir` (fp32, CPU)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    num_layers = model.config.num_hidden_layers
-    bad = [i for i in layers if not 0 <= i <= num_layers]
-    if bad:
-        raise ValueError(f"layer ids {bad} outside 0..{num_layers}")
-    prenorm = {}
-    model.model.norm.register_forward_pre_hook(lambda m, a: prenorm.__setitem__("h", a[0]))
-    rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
-    for row in rows[:limit]:
-        if row["id"] in skip:
-            continue
-        ids = tok(row["text"], return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            out = model(input_ids=ids, output_hidden_states=True)
-        hs = list(out.hidden_states)
-        hs[num_layers] = prenorm["h"]  # id L = before the final norm
-        stacked = torch.stack([hs[i][0] for i in layers], dim=1).contiguous()  # [T, n, H]
-        yield Sample(
-            key=row["id"],
-            tensors={"hidden_states": stacked, "token_ids": ids[0].to(torch.int64).contiguous()},
-            layers=list(layers),
-            meta={"num_tokens": int(ids.shape[1])},
-        )
+    """Yield one Sample per dataset row (but rows whose id is in `skip`), in data set order."""
+    t = SyntheticTeacher(model_dir, data, layers, limit)
+    for key in t.rows:
+        if key not in skip:
+            yield t.sample(key)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,9 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], help="override, e.g. transport.bind=[...]")
     ap.add_argument("--spool", help="write a spool folder instead of publishing")
     ap.add_argument("--rate", type=float, default=0.0, help="samples per second (0 = as fast as possible)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="give up waiting for acks after this long")
     ap.add_argument(
-        "--journal", help="file of acknowledged keys: appended to, and its keys are not sent again (resume)"
+        "--timeout", type=float, default=600.0, help="give up when not every row is committed by then"
+    )
+    ap.add_argument(
+        "--journal",
+        help="journal of committed keys (distill.journal): appended to; its committed keys are not sent again",
     )
     args = ap.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")]
@@ -87,26 +100,48 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from distill.config import load_run_file, parse_override
+    from distill.journal import Journal
     from distill.transport import Publisher
 
     run = load_run_file(args.config, dict(parse_override(o) for o in args.set))
-    done = Publisher.journal_keys(args.journal) if args.journal else set()
+    done = Journal.read(args.journal).committed if args.journal else set()
+    teacher = SyntheticTeacher(args.model, args.data, layers, args.limit)
     pub = Publisher(run.transport, run.spool, journal=args.journal)
     pub.start()
     print(
-        f"synthetic teacher: publishing on {run.transport.bind}; {len(done)} keys in the journal", flush=True
+        f"synthetic teacher: publishing on {run.transport.bind}; {len(done)} keys committed in the journal",
+        flush=True,
     )
-    n = 0
-    for s in teacher_samples(args.model, args.data, layers, args.limit, skip=done):
-        pub.submit(s)
+    deadline = time.monotonic() + args.timeout
+    n = resubmitted = 0
+    for key in teacher.rows:
+        if key in done:
+            continue
+        pub.submit(teacher.sample(key))
         n += 1
         if args.rate > 0:
             time.sleep(1.0 / args.rate)
     pub.close_input()
-    ok = pub.wait_done(timeout=args.timeout)
+    # Run until every row is committed. Keys a student session acknowledged but never committed
+    # (it died before a checkpoint covered them) come back from take_lost(): compute and send again.
+    ok = False
+    take_lost = getattr(pub, "take_lost", list)  # TODO(transition): a Publisher before COMMIT has none
+    while time.monotonic() < deadline:
+        lost = take_lost()
+        for key in lost:
+            pub.submit(teacher.sample(key))
+        if lost:
+            resubmitted += len(lost)
+            print(f"synthetic teacher: {len(lost)} keys lost by a student session; sent again", flush=True)
+        if pub.wait_done(timeout=min(0.5, max(0.0, deadline - time.monotonic()))):
+            ok = True
+            break
     stats = pub.stats()
     pub.close()
-    print(f"synthetic teacher: submitted {n}, done={ok}, stats={json.dumps(stats)}", flush=True)
+    print(
+        f"synthetic teacher: submitted {n}, resubmitted {resubmitted}, done={ok}, stats={json.dumps(stats)}",
+        flush=True,
+    )
     sys.exit(0 if ok else 1)
 
 
