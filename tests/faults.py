@@ -1,0 +1,433 @@
+"""Helpers for the fault-matrix tests (tests/test_fault_matrix.py): process trees, freezing and killing
+with psutil, the students' records, and network namespaces for "two student hosts" rows.
+
+Traps this module exists for:
+- `accelerate launch` runs torch elastic in-process; its ranks run in sessions of their own, so
+  killing the launcher's process group leaves the ranks alive. `Procs` records every descendant of
+  everything it started (a background thread, every 0.2 s) and kills them all at the end, also the
+  ones orphaned by a dead launcher.
+- A rank's exit code is not the launcher's: torch elastic exits 1 for any failed rank and names each
+  rank's exit code in its error report ("exitcode : 3"); `Proc.rank_exit_codes()` reads them.
+- Every wait has a timeout and fails with the log tail of the process it waited for.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond, timeout: float, what: str, poll: float = 0.2, check=None):
+    """Poll `cond()` until truthy (returns its value); AssertionError naming `what` after `timeout`.
+    `check()` runs on every poll (e.g. to fail early when a process died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(poll)
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """The process `pid` and all its descendants (empty when it is gone)."""
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.send_signal(sig)
+
+
+class Proc:
+    """One started command (a Popen) and its log."""
+
+    def __init__(self, name: str, popen: subprocess.Popen, log: Path, cmd: list[str]):
+        self.name, self.popen, self.log, self.cmd = name, popen, log, cmd
+        self.t0 = time.monotonic()
+        self.ended_at: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        rc = self.popen.poll()
+        if rc is not None and self.ended_at is None:
+            self.ended_at = time.monotonic()
+        return rc
+
+    def alive(self) -> bool:
+        return self.poll() is None
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait(self, timeout: float) -> int:
+        """Exit code; fails (with the log tail) when it does not end by itself within `timeout`."""
+        try:
+            rc = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name} did not end by itself within {timeout:.0f}s; log tail:\n{self.tail()}"
+            ) from None
+        self.poll()
+        return rc
+
+    def tree(self) -> list[psutil.Process]:
+        return tree(self.pid)
+
+    def ranks(self) -> dict[int, psutil.Process]:
+        """Student rank processes under this launcher: {RANK: process} (their env names RANK)."""
+        out = {}
+        for p in self.tree()[1:]:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if "student.py" not in " ".join(p.cmdline()):
+                    continue
+                env = p.environ()
+                if "RANK" in env:
+                    out[int(env["RANK"])] = p
+        return out
+
+    def engine_core(self) -> psutil.Process | None:
+        """vLLM's engine core process under a distill-teacher (it names itself VLLM::EngineCore)."""
+        for p in self.tree()[1:]:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                    return p
+        return None
+
+    def rank_exit_codes(self) -> list[int]:
+        """Exit codes torch elastic reports for failed ranks ("exitcode : 3"), root cause first."""
+        text = self.text()
+        codes = [int(x) for x in re.findall(r"exitcode\s*:\s*(-?\d+)", text)]
+        root = text.find("Root Cause")
+        if root >= 0:
+            m = re.search(r"exitcode\s*:\s*(-?\d+)", text[root:])
+            if m:
+                codes.insert(0, int(m.group(1)))
+        return codes
+
+    def student_exit(self) -> int | None:
+        """The students' exit code: 0 when the launcher exits 0, else the root-cause rank's code
+        (the launcher itself exits 1 for any failed rank); None while running."""
+        rc = self.poll()
+        if rc is None or rc == 0:
+            return rc
+        codes = self.rank_exit_codes()
+        return codes[0] if codes else rc
+
+
+def freeze(procs: list[psutil.Process]) -> None:
+    """SIGSTOP each process (children first is not needed: a stopped process stays stopped)."""
+    signal_all(procs, signal.SIGSTOP)
+
+
+def thaw(procs: list[psutil.Process]) -> None:
+    signal_all(procs, signal.SIGCONT)
+
+
+def rank_tree(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+class Procs:
+    """Starts commands in sessions of their own and guarantees none survives `kill_all`."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = Path(tmp)
+        self.procs: list[Proc] = []
+        self._seen: dict[int, float] = {}  # pid -> create_time of every descendant ever seen
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            self.record()
+
+    def record(self) -> None:
+        with self._lock:
+            procs = list(self.procs)
+        for pr in procs:
+            for p in tree(pr.pid):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    self._seen.setdefault(p.pid, p.create_time())
+
+    def start(self, name: str, cmd: list[str], env: dict | None = None, prefix: list[str] = ()) -> Proc:
+        log = self.tmp / f"{name}.log"
+        n = 1
+        while log.exists():
+            n += 1
+            log = self.tmp / f"{name}.{n}.log"
+        full = [*prefix, *cmd]
+        popen = subprocess.Popen(
+            full,
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        pr = Proc(name, popen, log, full)
+        with self._lock:
+            self.procs.append(pr)
+        self.record()
+        return pr
+
+    def kill(self, pr: Proc) -> None:
+        """SIGKILL `pr` and its whole tree now (collected before the kill), and reap it."""
+        self.record()
+        procs = pr.tree()
+        thaw(procs)  # a stopped process dies on SIGKILL too, but be sure nothing stays stopped
+        signal_all(procs, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pr.popen.wait(timeout=20)
+        psutil.wait_procs(procs, timeout=10)
+        pr.poll()
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes this object started (or their descendants) that still run."""
+        self.record()
+        out = []
+        for pid, ct in list(self._seen.items()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p = psutil.Process(pid)
+                if p.create_time() == ct and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
+    def kill_all(self) -> list[str]:
+        """Kill everything still alive; returns descriptions of what had to be killed."""
+        self.record()
+        killed = []
+        for pr in self.procs:
+            if pr.alive():
+                killed.append(f"{pr.name} (pid {pr.pid})")
+            self.kill(pr)
+        rest = self.leftovers()
+        for p in rest:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                killed.append(f"orphan {p.pid} {' '.join(p.cmdline())[:80]}")
+        thaw(rest)
+        signal_all(rest, signal.SIGKILL)
+        psutil.wait_procs(rest, timeout=10)
+        self._stop.set()
+        return killed
+
+
+# ---------------------------------------------------------------------------------------------
+# The students' records
+# ---------------------------------------------------------------------------------------------
+
+
+def tally(metrics_json: Path, expected: set[str]) -> dict:
+    """trained / lost / twice from a student run's final metrics.json (`trained`: [key, rank, step])."""
+    m = json.loads(Path(metrics_json).read_text())
+    counts = collections.Counter(e[0] for e in m["trained"])
+    trained = set(counts)
+    by_rank = collections.Counter(e[1] for e in m["trained"])
+    return {
+        "trained": len(trained & expected),
+        "lost": len(expected - trained),
+        "twice": sum(1 for c in counts.values() if c > 1),
+        "unexpected": sorted(trained - expected)[:5],
+        "per_rank": dict(sorted(by_rank.items())),
+        "steps": m["summary"]["steps"],
+    }
+
+
+def journal_state(path: Path) -> tuple[set[str], set[str]]:
+    """(committed, lost) keys of a journal file (bare line = committed, `!lost\\t<key>` = lost)."""
+    committed, lost = set(), set()
+    if not Path(path).exists():
+        return committed, lost
+    for line in Path(path).read_text().splitlines():
+        if not line:
+            continue
+        if line.startswith("!lost\t"):
+            lost.add(line.split("\t", 1)[1])
+        else:
+            committed.add(line)
+    return committed, lost - committed
+
+
+def spool_keys(d: Path) -> set[str]:
+    from distill.spool import list_spool, read_spool_file
+
+    out = set()
+    for p in list_spool(d):
+        with contextlib.suppress(Exception):
+            out.add(read_spool_file(p).key)
+    return out
+
+
+def dir_bytes(d: Path) -> int:
+    total = 0
+    if Path(d).is_dir():
+        for p in Path(d).iterdir():
+            with contextlib.suppress(OSError):
+                total += p.stat().st_size
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Network namespaces: a teacher host and student hosts on one bridge
+# ---------------------------------------------------------------------------------------------
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+class Hosts:
+    """Hosts as network namespaces on one bridge (in the root namespace).
+
+        hosts = Hosts(["t", "s0", "s1"])      # 10.<net>.0.1, .2, .3 on each host's eth0
+        hosts.prefix("s0", private_shm=True)  # command prefix: run inside s0 (own /dev/shm)
+        hosts.link("s1", up=False)            # unplug s1's cable (both ends lose carrier)
+        hosts.close()                         # delete everything
+
+    Raises RuntimeError from the constructor when namespaces cannot be made (not root, no ip).
+    """
+
+    def __init__(self, names: list[str]):
+        self.tag = f"f{os.getpid() % 10000}{int(time.time() * 1000) % 1000:03d}"[:8]
+        self.names = list(names)
+        self.net = 100 + os.getpid() % 100
+        self.ns = {n: f"{self.tag}{n}" for n in names}
+        self.port = {n: f"p{n}"[:15] for n in names}  # switch-side veth of each host
+        self.addr = {n: f"10.{self.net}.0.{i + 1}" for i, n in enumerate(names)}
+        self.switch = f"{self.tag}sw"  # the bridge lives in a namespace of its own: the root
+        # namespace may pass bridged frames through iptables (bridge-nf-call-iptables) and drop them
+        self._made_ns: list[str] = []
+        try:
+            _ip("netns", "add", self.switch)
+            self._made_ns.append(self.switch)
+            sw = ["-n", self.switch]
+            _ip(*sw, "link", "add", "br0", "type", "bridge")
+            _ip(*sw, "link", "set", "br0", "up")
+            for n in names:
+                ns = self.ns[n]
+                _ip("netns", "add", ns)
+                self._made_ns.append(ns)
+                _ip(*sw, "link", "add", self.port[n], "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _ip(*sw, "link", "set", self.port[n], "master", "br0")
+                _ip(*sw, "link", "set", self.port[n], "up")
+                _ip("-n", ns, "addr", "add", f"{self.addr[n]}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+            # every host reaches every other one
+            for a in names:
+                for b in names:
+                    if a != b:
+                        self.ping(a, b)
+        except BaseException:
+            self.close()
+            raise
+
+    def ping(self, src: str, dst: str, timeout: float = 10) -> None:
+        """Fail unless `src` reaches `dst`: a tcp connect to a closed port answered by a refusal
+        (no ping binary needed)."""
+        probe = (
+            "import socket,sys\ns=socket.socket();s.settimeout(1)\n"
+            "try:\n s.connect((sys.argv[1],9))\nexcept ConnectionRefusedError:\n sys.exit(0)\n"
+            "except OSError:\n sys.exit(1)\n"
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            r = subprocess.run(
+                ["ip", "netns", "exec", self.ns[src], sys.executable, "-c", probe, self.addr[dst]],
+                capture_output=True,
+                timeout=15,
+            )
+            if r.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{src} cannot reach {dst} ({self.addr[dst]}) over the bridge")
+            time.sleep(0.2)
+
+    def prefix(self, host: str, private_shm: bool = False) -> list[str]:
+        """Command prefix that runs a command on `host`; private_shm: with a /dev/shm of its own
+        (a fresh tmpfs in a mount namespace of its own), so no shared memory crosses hosts."""
+        pre = ["ip", "netns", "exec", self.ns[host]]
+        if private_shm:
+            pre += [
+                "unshare",
+                "-m",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                'mount -t tmpfs -o size=1g tmpfs /dev/shm && exec "$@"',
+                "sh",
+            ]
+        return pre
+
+    def link(self, host: str, up: bool) -> None:
+        _ip("-n", self.switch, "link", "set", self.port[host], "up" if up else "down")
+
+    def close(self) -> None:
+        for ns in reversed(self._made_ns):
+            # processes still inside would keep the namespace's devices: callers kill them first
+            _ip("netns", "del", ns, check=False)
+        self._made_ns = []
+
+
+def netns_available() -> str | None:
+    """None when network namespaces, veth pairs and bridges can be made here; else why not."""
+    if os.geteuid() != 0:
+        return "not root: network namespaces need CAP_NET_ADMIN"
+    try:
+        h = Hosts(["a", "b"])
+        h.close()
+    except (RuntimeError, FileNotFoundError, subprocess.SubprocessError) as e:
+        return f"cannot create network namespaces/veth/bridge: {e}"
+    return None
