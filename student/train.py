@@ -6,10 +6,13 @@
 Every rank receives its own disjoint share of samples (its own Subscriber; or files r, r+W, ... of a
 spool folder), so ranks hold different numbers of samples at different times. The loop therefore
 agrees on every step collectively: each iteration, every rank fills a micro-batch (possibly empty),
-then one small all-reduce says who has data, how many tokens, who is finished and whether anyone
-failed. A rank without data runs a zero-weight step on a one-token padding batch so DDP's gradient
-all-reduce still matches up. Samples are acknowledged to the teacher only after the optimizer step
-that used them; the ledger of trained keys is checkpointed with the model.
+then one small all-gather says who has samples, who is finished, idle or failed, and a second one
+(when anyone has samples) carries every rank's key hashes and token counts, from which every rank
+computes the same decision: which keys each rank trains (a key any rank trained before, or that a
+lower rank proposes now, is dropped). A rank without data runs a zero-weight step on a one-token
+padding batch so DDP's gradient all-reduce still matches up. Samples are acknowledged to the
+teacher only after the optimizer step that used them; with checkpoints they are committed after the
+checkpoint that covers them; the ledger of trained keys is checkpointed with the model.
 """
 
 from __future__ import annotations
