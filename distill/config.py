@@ -50,6 +50,9 @@ class TransportConfig(Strict):
     heartbeat_interval_s: float = Field(0.5, gt=0)
     # A peer silent this long is dead: its unacked samples are redelivered to another student.
     heartbeat_timeout_s: float = Field(10.0, gt=0)
+    # Student side: how long to wait for a teacher that went silent (or is not up yet) before giving
+    # up with exit code 3; while waiting, a restarted teacher is picked up at once.
+    teacher_wait_s: float = Field(600.0, gt=0)
     # Student credit window: unacked samples / bytes it may hold (memory bound on the student).
     credit_samples: int = Field(32, gt=0)
     credit_bytes: int = Field(1 * GiB, gt=0)

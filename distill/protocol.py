@@ -17,9 +17,13 @@ Sample header keys::
     t       tensors: list of [name, dtype, shape, frame_index]
     meta    small metadata map (str -> msgpack scalar / list / map)
     crc     optional CRC32 of the tensor bytes, in tensor order
-    shm     optional shared-memory reference: [segment_name, [offset, ...]] (one offset per tensor)
+    shm     optional shared-memory reference: [segment_name, [offset, ...], stamp_offset, stamp]
+            (one offset per tensor; the slot's stamp word holds `stamp` while the slot is this
+            sample's: the receiver checks it after copying, see `Sample.stamp`)
 
-Control records (HELLO, CREDIT, ACK, HEARTBEAT, ...) carry metadata only: one frame, no tensors.
+Control records (HELLO, CREDIT, ACK, COMMIT, ...) carry metadata only: one frame, no tensors. Each
+kind's fields are a typed record (`CONTROL_FIELDS`): `decode_control` rejects a record with a
+missing field or a field of the wrong type, and drops fields it does not know.
 
 Decoding is zero-copy: `torch.frombuffer` over the received frame's buffer. Nothing is ever
 unpickled; msgpack is decoded with strict limits. Every way a message can be malformed raises
@@ -35,14 +39,14 @@ from typing import Any
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a header is metadata, never data
 MAX_NDIM = 8
 MAX_TENSORS = 64
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: anything declared larger is absurd
 
-# Message kinds. Teacher -> student: SAMPLE, WELCOME, HEARTBEAT, DRAIN, END, RESET.
-# Student -> teacher: HELLO, CREDIT, ACK, HEARTBEAT, BYE.
+# Message kinds. Teacher -> student: SAMPLE, WELCOME, HEARTBEAT, DRAIN, END, RESET, REFUSE.
+# Student -> teacher: HELLO, CREDIT, ACK, COMMIT, ACKED, HEARTBEAT, BYE.
 SAMPLE = 1
 HELLO = 2
 WELCOME = 3
@@ -53,7 +57,34 @@ DRAIN = 7  # the teacher's input is closed and nothing waits: flush partial batc
 END = 8  # every sample of this teacher is acknowledged: the stream is over
 BYE = 9  # a student leaves cleanly; its unacked samples are redelivered at once
 RESET = 10  # the teacher does not know this peer: send HELLO again
-KINDS = {SAMPLE, HELLO, WELCOME, CREDIT, ACK, HEARTBEAT, DRAIN, END, BYE, RESET}
+COMMIT = 11  # these keys are covered by a saved checkpoint: the teacher journals them
+ACKED = 12  # after a new WELCOME: keys this student acked earlier and has not committed yet
+REFUSE = 13  # the teacher will not talk to this peer (reason); the student stops with that reason
+KINDS = {SAMPLE, HELLO, WELCOME, CREDIT, ACK, HEARTBEAT, DRAIN, END, BYE, RESET, COMMIT, ACKED, REFUSE}
+KIND_NAMES = {
+    SAMPLE: "SAMPLE", HELLO: "HELLO", WELCOME: "WELCOME", CREDIT: "CREDIT", ACK: "ACK",
+    HEARTBEAT: "HEARTBEAT", DRAIN: "DRAIN", END: "END", BYE: "BYE", RESET: "RESET",
+    COMMIT: "COMMIT", ACKED: "ACKED", REFUSE: "REFUSE",
+}  # fmt: skip
+MAX_KEYS_PER_MESSAGE = 4096  # COMMIT / ACKED carry keys in chunks (a header stays far below 1 MiB)
+
+# The typed record of every control kind: field -> (type, required). Types are checked exactly
+# (bool is not an int); `list[int]` / `list[str]` check every item. Unknown fields are dropped.
+_OPT = False
+CONTROL_FIELDS: dict[int, dict[str, tuple[str, bool]]] = {
+    HELLO: {"name": ("str", True), "credit_samples": ("int", True), "credit_bytes": ("int", True)},
+    WELCOME: {"tid": ("str", True), "shm": ("shm_ref", _OPT)},
+    CREDIT: {"shm_ok": ("bool", True)},
+    ACK: {"tid": ("str", True), "seqs": ("list[int]", True), "commit": ("bool", _OPT)},
+    COMMIT: {"keys": ("list[str]", True)},
+    ACKED: {"keys": ("list[str]", True)},
+    HEARTBEAT: {"tid": ("str", _OPT), "name": ("str", _OPT)},
+    DRAIN: {"tid": ("str", True)},
+    END: {"tid": ("str", True)},
+    BYE: {"name": ("str", _OPT)},
+    RESET: {"tid": ("str", True)},
+    REFUSE: {"tid": ("str", _OPT), "reason": ("str", True), "version": ("int", True)},
+}
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -80,6 +111,7 @@ REJECT_REASONS = (
     "frames",  # missing or extra frames
     "length",  # shape x itemsize != frame length
     "checksum",
+    "foreign",  # a well-formed message from a peer or session it does not belong to
 )
 
 
@@ -111,6 +143,9 @@ class Sample:
     meta: dict[str, Any] = field(default_factory=dict)
     teacher: str = ""
     seq: int = 0
+    # Shared-memory samples: (segment, stamp offset, stamp). The bytes are this sample's only while
+    # the segment's stamp word still holds `stamp` (Subscriber.valid checks it after a copy).
+    stamp: tuple[str, int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +186,9 @@ def checksum(buffers: list) -> int:
     return crc
 
 
-def sample_header(sample: Sample, *, with_crc: bool = False, shm: tuple[str, list[int]] | None = None):
+def sample_header(
+    sample: Sample, *, with_crc: bool = False, shm: tuple[str, list[int], int, int] | None = None
+):
     """Build the header map and the list of tensor byte views for `sample`."""
     specs = []
     bufs = []
@@ -171,7 +208,7 @@ def sample_header(sample: Sample, *, with_crc: bool = False, shm: tuple[str, lis
     if with_crc:
         header["crc"] = checksum(bufs)
     if shm is not None:
-        header["shm"] = [shm[0], list(shm[1])]
+        header["shm"] = [shm[0], list(shm[1]), int(shm[2]), int(shm[3])]
     return header, bufs
 
 
@@ -185,10 +222,61 @@ def pack(header: dict) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
+def _type_ok(value, typ: str) -> bool:
+    if typ == "str":
+        return isinstance(value, str)
+    if typ == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typ == "bool":
+        return isinstance(value, bool)
+    if typ == "list[int]":
+        return isinstance(value, list) and all(_type_ok(x, "int") for x in value)
+    if typ == "list[str]":
+        return isinstance(value, list) and all(isinstance(x, str) for x in value)
+    if typ == "shm_ref":  # [segment path, nonce] or None
+        return value is None or (
+            isinstance(value, list) and len(value) == 2 and all(isinstance(x, str) for x in value)
+        )
+    raise AssertionError(typ)
+
+
 def encode_control(kind: int, **fields) -> bytes:
-    if kind not in KINDS or kind == SAMPLE:
+    """One control record; `fields` must match CONTROL_FIELDS[kind] (ValueError otherwise)."""
+    spec = CONTROL_FIELDS.get(kind)
+    if spec is None:
         raise ValueError(f"not a control kind: {kind}")
+    for name, value in fields.items():
+        if name not in spec:
+            raise ValueError(f"{KIND_NAMES[kind]} has no field {name!r}")
+        if not (value is None and not spec[name][1]) and not _type_ok(value, spec[name][0]):
+            raise ValueError(f"{KIND_NAMES[kind]}.{name} must be {spec[name][0]}, not {value!r}")
+    missing = [n for n, (_, req) in spec.items() if req and n not in fields]
+    if missing:
+        raise ValueError(f"{KIND_NAMES[kind]} needs {missing}")
     return pack({"v": PROTOCOL_VERSION, "k": kind, **fields})
+
+
+def decode_control(header: dict) -> dict:
+    """The typed record of a checked control header: only known fields, each of its type.
+
+    Raises:
+        ProtocolError("field"): a required field is missing or a field has the wrong type.
+    """
+    kind = header["k"]
+    spec = CONTROL_FIELDS.get(kind)
+    if spec is None:
+        raise ProtocolError("kind", f"kind {kind} is not a control record")
+    out = {"k": kind}
+    for name, (typ, required) in spec.items():
+        if name not in header or (header[name] is None and not required):
+            if required:
+                raise ProtocolError("field", f"{KIND_NAMES[kind]} without {name!r}")
+            out[name] = None
+            continue
+        if not _type_ok(header[name], typ):
+            raise ProtocolError("field", f"{KIND_NAMES[kind]}.{name} is not {typ}")
+        out[name] = header[name]
+    return out
 
 
 def decode_header(frame) -> dict:
@@ -291,12 +379,15 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
             raise ProtocolError("frames", f"shared-memory sample with {len(frames)} extra frames")
         if (
             not isinstance(shm, list)
-            or len(shm) != 2
+            or len(shm) != 4
             or not isinstance(shm[0], str)
             or not isinstance(shm[1], list)
             or len(shm[1]) != len(specs)
+            or not _type_ok(shm[2], "int")
+            or not _type_ok(shm[3], "int")
+            or shm[2] < 0
         ):
-            raise ProtocolError("field", "shm must be [segment, [offset per tensor]]")
+            raise ProtocolError("field", "shm must be [segment, [offset per tensor], stamp offset, stamp]")
         if shm_resolver is None:
             raise ProtocolError("field", "shared-memory sample on a connection without shared memory")
         for spec, off in zip(specs, shm[1], strict=True):
@@ -328,4 +419,7 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     crc = header.get("crc")
     if crc is not None and checksum(bufs) != crc:
         raise ProtocolError("checksum", f"payload CRC32 mismatch for sample {key!r}")
-    return Sample(key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq)
+    out = Sample(key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq)
+    if shm is not None:
+        out.stamp = (shm[0], shm[2], shm[3])
+    return out

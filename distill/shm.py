@@ -4,7 +4,16 @@ students map read-only.
 The teacher owns one `ShmRing` (a sparse file under /dev/shm). A sample's tensors are copied into
 one slot; the ZeroMQ message then carries only the header with `shm = [segment, [offsets]]`. A
 student maps the segment once (`ShmReader`) and decodes tensors as zero-copy views. A slot is freed
-when the sample is acknowledged, so a view stays valid until the student acks.
+when the sample is acknowledged (or its student is declared gone), so a view stays valid until then.
+
+Every slot starts with a 64-byte stamp word: the teacher writes a fresh stamp there before the
+slot's bytes, and zero when it frees the slot (before any reuse). The sample's header names the
+stamp; a student that copies a sample's bytes and then still reads that stamp copied that sample's
+bytes (`ShmReader.stamp`). A student frozen past the heartbeat timeout finds its stale samples out
+this way instead of training on a slot that now holds another sample.
+
+Ring files are named `distill-<pid>-<teacher id>.ring`; a teacher removes its own on close, and
+`clean_stale` removes those whose owner pid is gone (a SIGKILLed teacher) at the next start.
 
 Whether a student can use the ring is found out, not assumed: the teacher sends the segment path
 and a random nonce (written at offset 0) in WELCOME; the student maps the file and compares the
@@ -14,14 +23,55 @@ nonce. A student on another host cannot open the file (or reads another nonce) a
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import os
 import secrets
+import struct
 import threading
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 ALIGN = 4096  # slots start on page boundaries (also keeps every dtype aligned)
 HEADER = ALIGN  # first page: the nonce
+STAMP_BYTES = 64  # each slot's first 64 bytes: its stamp word (8 bytes used)
+_STAMP = struct.Struct("<Q")
+
+
+def ring_name(tid: str) -> str:
+    return f"distill-{os.getpid()}-{tid}.ring"
+
+
+def clean_stale(directory: str) -> list[Path]:
+    """Remove ring files of teachers whose process is gone (a SIGKILL leaves its ring behind)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith("distill-") and name.endswith(".ring")):
+            continue
+        pid_txt = name[len("distill-") :].split("-", 1)[0]
+        if not pid_txt.isdigit():
+            continue
+        try:
+            os.kill(int(pid_txt), 0)
+            continue  # alive (or another user's: PermissionError below)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        p = Path(directory) / name
+        try:
+            p.unlink()
+            removed.append(p)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d stale shared-memory ring(s) of dead teachers: %s", len(removed), removed)
+    return removed
 
 
 def _round_up(n: int) -> int:
@@ -66,7 +116,12 @@ class ShmRing:
                     return off
         return None
 
+    def set_stamp(self, off: int, stamp: int) -> None:
+        """Write a slot's stamp word (before its bytes on alloc; zero on free)."""
+        self._mm[off : off + 8] = _STAMP.pack(stamp)
+
     def free(self, off: int) -> None:
+        self.set_stamp(off, 0)  # readers holding this slot's samples see it is no longer theirs
         with self._lock:
             length = self._used.pop(off)
             i = bisect.bisect_left(self._free, (off, 0))
@@ -122,6 +177,13 @@ class ShmReader:
         if off < HEADER or off + nbytes > len(mm):
             raise ValueError(f"slot [{off}, {off + nbytes}) outside segment of {len(mm)} bytes")
         return view[off : off + nbytes]
+
+    def stamp(self, path: str, off: int) -> int | None:
+        """The stamp word at `off` of a mapped segment (None if not mapped or out of range)."""
+        entry = self._maps.get(path)
+        if entry is None or off < HEADER or off + 8 > len(entry[0]):
+            return None
+        return _STAMP.unpack_from(entry[0], off)[0]
 
     def close(self) -> None:
         for mm, view in self._maps.values():

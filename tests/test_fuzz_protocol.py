@@ -14,7 +14,7 @@ from waiting import wait_until as _wait
 
 from distill import protocol as P
 from distill.protocol import ProtocolError, Sample
-from distill.shm import ShmReader, ShmRing
+from distill.shm import HEADER, ShmReader, ShmRing
 
 ODD_VALUES = [
     None,
@@ -146,7 +146,7 @@ def test_mutated_shared_memory_references_decode_or_raise_protocol_error(tmp_pat
             sample = _sample(rng)
             specs = [(t.numel() * t.element_size()) for t in sample.tensors.values()]
             offs = [ring.alloc(n) for n in specs]
-            header, _ = P.sample_header(sample, shm=(str(ring.path), offs))
+            header, _ = P.sample_header(sample, shm=(str(ring.path), offs, HEADER, 1))
             h = msgpack.unpackb(P.pack(header) if isinstance(header, dict) else header)
             if rng.random() < 0.5:  # bend the shm reference itself
                 shm = h["shm"]
@@ -187,14 +187,20 @@ def _no_end(h):
 
 def _mutated_controls(rng: random.Random, kinds, n: int) -> list[list[bytes]]:
     good = {
-        P.HELLO: {"v": 1, "k": P.HELLO, "name": "x", "credit_samples": 4, "credit_bytes": 1 << 20},
-        P.WELCOME: {"v": 1, "k": P.WELCOME, "tid": "fuzz", "shm": ["/dev/shm/none", "ab"]},
-        P.CREDIT: {"v": 1, "k": P.CREDIT, "shm_ok": False},
-        P.ACK: {"v": 1, "k": P.ACK, "seqs": [1, 2, 3]},
-        P.HEARTBEAT: {"v": 1, "k": P.HEARTBEAT, "name": "x"},
-        P.DRAIN: {"v": 1, "k": P.DRAIN},
-        P.BYE: {"v": 1, "k": P.BYE, "name": "x"},
-        P.RESET: {"v": 1, "k": P.RESET},
+        P.HELLO: {
+            "v": P.PROTOCOL_VERSION,
+            "k": P.HELLO,
+            "name": "x",
+            "credit_samples": 4,
+            "credit_bytes": 1 << 20,
+        },
+        P.WELCOME: {"v": P.PROTOCOL_VERSION, "k": P.WELCOME, "tid": "fuzz", "shm": ["/dev/shm/none", "ab"]},
+        P.CREDIT: {"v": P.PROTOCOL_VERSION, "k": P.CREDIT, "shm_ok": False},
+        P.ACK: {"v": P.PROTOCOL_VERSION, "k": P.ACK, "tid": "fuzz", "seqs": [1, 2, 3]},
+        P.HEARTBEAT: {"v": P.PROTOCOL_VERSION, "k": P.HEARTBEAT, "name": "x"},
+        P.DRAIN: {"v": P.PROTOCOL_VERSION, "k": P.DRAIN, "tid": "fuzz"},
+        P.BYE: {"v": P.PROTOCOL_VERSION, "k": P.BYE, "name": "x"},
+        P.RESET: {"v": P.PROTOCOL_VERSION, "k": P.RESET, "tid": "fuzz"},
     }
     out = []
     for _ in range(n):

@@ -28,17 +28,26 @@ def test_teacher_rejects_garbage_and_keeps_serving(tmp_path):
             [b"\xc1\xc1\xc1"],  # not msgpack
             [msgpack.packb("a string")],  # not a map
             [msgpack.packb({"v": 99, "k": P.HELLO})],  # wrong version
-            [msgpack.packb({"v": 1, "k": 1234})],  # unknown kind
+            [msgpack.packb({"v": P.PROTOCOL_VERSION, "k": 1234})],  # unknown kind
             [P.encode_control(P.HELLO, name="x", credit_samples=-1, credit_bytes=5)],  # bad credits
             [P.encode_control(P.HEARTBEAT), b"extra frame"],  # control with extra frame
             [b"\x00" * (P.MAX_HEADER_BYTES + 10)],  # oversized header
-            [msgpack.packb({"v": 1, "k": P.HELLO, "credit_samples": [1] * 10, "credit_bytes": {"a": 1}})],
+            [
+                msgpack.packb(
+                    {
+                        "v": P.PROTOCOL_VERSION,
+                        "k": P.HELLO,
+                        "credit_samples": [1] * 10,
+                        "credit_bytes": {"a": 1},
+                    }
+                )
+            ],
         ]
         for frames in bad:
             raw.send_multipart(frames)
         # The same raw peer then says HELLO properly and sends an ACK with a wrong field type.
         raw.send(P.encode_control(P.HELLO, name="raw", credit_samples=1, credit_bytes=1 << 20))
-        raw.send(P.encode_control(P.ACK, seqs="not a list"))
+        raw.send(P.pack({"v": P.PROTOCOL_VERSION, "k": P.ACK, "tid": "x", "seqs": "not a list"}))
         assert _wait(lambda: pub.stats()["rejected"] >= len(bad) + 1)
         assert pub.stats()["rejected"] == len(bad) + 1
         raw.send(P.encode_control(P.BYE))

@@ -1,0 +1,479 @@
+"""Student side of the transport: `Subscriber` (ZeroMQ DEALER, one per teacher endpoint,
+connects). The conversation is in distill/transport.py's docstring; the contract in distill/API.md.
+
+A received sample is HELD (handed to the consumer) until the consumer acks it (after the optimizer
+step that used it) or discards it (its shared-memory slot was reused: the student was frozen past
+the heartbeat timeout). A redelivered copy of a held key is never acknowledged on the held copy's
+behalf: it waits beside it and is acked with it, or takes its place if the held copy is discarded.
+Acked keys stay UNCOMMITTED (per teacher endpoint) until `commit()` (a checkpoint covers them),
+unless commit_on_ack.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import zmq
+
+from distill import protocol as P
+from distill.config import TransportConfig
+from distill.iothread import RateLimitedLog, TeacherGone, TransportError, Wake, tune_malloc
+from distill.protocol import ProtocolError, Sample
+from distill.shm import ShmReader
+
+log = logging.getLogger("distill.transport")
+
+_VERSION_ERRORS_FATAL = 10  # that many in a row from a known teacher: it was replaced by another version
+_SILENT_LOG_EVERY_S = 10.0
+_END = object()
+_COMMIT = object()
+
+
+@dataclass
+class _Teacher:
+    endpoint: str
+    sock: zmq.Socket
+    tid: str | None = None
+    welcomed: bool = False
+    hello_pending: bool = False  # a HELLO went out and no WELCOME came yet
+    draining: bool = False
+    ended: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    last_hello: float = 0.0
+    silent_logged: float = 0.0
+    ever_welcomed: bool = False  # a valid WELCOME came once: this teacher speaks our version
+    version_errors: int = 0  # messages in a row that carried another protocol version
+    uncommitted: dict[str, None] = field(default_factory=dict)  # acked here, no checkpoint yet
+    commit_out: list[str] = field(default_factory=list)  # committed, not yet told this endpoint
+
+
+class Subscriber:
+    """Student side of the transport. See distill/API.md for the contract."""
+
+    def __init__(
+        self,
+        cfg: TransportConfig,
+        *,
+        skip_keys=None,
+        name: str | None = None,
+        commit_on_ack: bool = True,
+    ):
+        self.cfg = cfg
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.commit_on_ack = commit_on_ack
+        self._skip = skip_keys if skip_keys is not None else set()
+        # keys acked in this process, oldest first, at most cfg.dedup_keys
+        self._consumed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # keys handed to the consumer and not yet acked -> redelivered copies waiting beside them
+        self._held: dict[str, list[Sample]] = {}
+        self._q: queue.Queue = queue.Queue()
+        self._acks: collections.deque = collections.deque()  # (tid, seq, key, commit) | _COMMIT
+        self._uncommitted = 0
+        self._lock = threading.Lock()
+        self._wake = Wake()
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._shm = ShmReader()
+        self._teachers: list[_Teacher] = []
+        self._by_tid: dict[str, _Teacher] = {}  # every tid seen -> its endpoint (kept after restarts)
+        self._counters = collections.Counter()
+        self._rejected = collections.Counter()
+        self._reject_log = RateLimitedLog(log)
+        self._error: TransportError | None = None
+        self._finished = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Subscriber:
+        if self.cfg.tune_malloc:
+            tune_malloc()
+        ctx = zmq.Context.instance()
+        for ep in self.cfg.connect:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, f"{self.name}-{uuid.uuid4().hex[:8]}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if self.cfg.socket_buffer_bytes:
+                sock.setsockopt(zmq.SNDBUF, self.cfg.socket_buffer_bytes)
+                sock.setsockopt(zmq.RCVBUF, self.cfg.socket_buffer_bytes)
+            try:
+                sock.connect(ep)
+            except zmq.ZMQError as e:
+                raise TransportError(f"cannot connect to teacher endpoint {ep!r}: {e}") from None
+            self._teachers.append(_Teacher(ep, sock))
+        self._thread = threading.Thread(target=self._run, name="distill-subscriber", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        return self
+
+    def __enter__(self) -> Subscriber:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Sample]:
+        while True:
+            s = self.get(timeout=None)
+            if s is None:
+                return
+            yield s
+
+    def get(self, timeout: float | None = None) -> Sample | None:
+        """Next sample; None on timeout, or once every teacher has sent END (then `finished`).
+
+        Raises:
+            TeacherGone: no teacher was heard for transport.teacher_wait_s.
+            TransportError: a condition this side cannot fix (another protocol version, a refusal).
+        """
+        if self._finished:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._error is not None:
+                raise self._error
+            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+            try:
+                item = self._q.get(timeout=wait)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            if item is _END:
+                self._finished = True
+                return None
+            return item
+
+    def ack(self, samples: Sample | Iterable[Sample]) -> None:
+        """Acknowledge consumed samples (after the optimizer step that used them): the teacher frees
+        them and credit returns. Their tensors (zero-copy views) must not be used afterwards."""
+        if isinstance(samples, Sample):
+            samples = [samples]
+        with self._lock:
+            for s in samples:
+                self._consumed[s.key] = None
+                copies = [s, *self._held.pop(s.key, [])]
+                for c in copies:
+                    self._acks.append((c.teacher, c.seq, c.key, self.commit_on_ack))
+                self._counters["acked"] += 1
+                if not self.commit_on_ack:
+                    self._uncommitted += 1
+            while len(self._consumed) > self.cfg.dedup_keys:
+                self._consumed.popitem(last=False)
+        self._wake.set()
+
+    def commit(self) -> None:
+        """Everything acked so far is covered by a saved checkpoint: the teachers journal it."""
+        with self._lock:
+            self._acks.append(_COMMIT)
+            self._uncommitted = 0
+        self._wake.set()
+
+    @property
+    def uncommitted(self) -> int:
+        """Samples acked since the last `commit()` (0 with commit_on_ack)."""
+        return self._uncommitted
+
+    def valid(self, sample: Sample) -> bool:
+        """True if the bytes read from `sample` so far were its own. Call it after copying them: a
+        shared-memory slot is reused once the teacher declared this student gone."""
+        if sample.stamp is None:
+            return True
+        seg, off, stamp = sample.stamp
+        ok = self._shm.stamp(seg, off) == stamp
+        if not ok:
+            self._counters["stale"] += 1
+        return ok
+
+    def discard(self, samples: Sample | Iterable[Sample]) -> None:
+        """Forget held samples without acking them (not trained; the teacher redelivers them). A
+        redelivered copy that waited beside one is handed to the consumer instead."""
+        if isinstance(samples, Sample):
+            samples = [samples]
+        with self._lock:
+            for s in samples:
+                copies = self._held.pop(s.key, [])
+                self._counters["discarded"] += 1
+                if copies:
+                    self._held[s.key] = copies[1:]
+                    self._q.put(copies[0])
+
+    @property
+    def draining(self) -> bool:
+        return all(t.draining or t.ended for t in self._teachers)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def teacher_silent_s(self) -> float:
+        """Seconds since the longest-silent live teacher was heard (0 while all are heard)."""
+        now = time.monotonic()
+        silent = [now - t.last_seen for t in self._teachers if not t.ended]
+        worst = max(silent, default=0.0)
+        return worst if worst > self.cfg.heartbeat_timeout_s else 0.0
+
+    def stats(self) -> dict:
+        s = dict(self._counters)
+        for k in ("received", "acked", "skipped_duplicates", "bytes_received", "shm_samples", "stale"):
+            s.setdefault(k, 0)
+        s["rejected"] = sum(self._rejected.values())
+        s["rejected_by_reason"] = dict(self._rejected)
+        return s
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        self._thread = None
+        for t in self._teachers:
+            t.sock.close(linger=0)
+        self._shm.close()
+        self._wake.close()
+
+    # --- I/O thread --------------------------------------------------------------------------
+
+    def _hello(self, t: _Teacher) -> None:
+        t.welcomed = False
+        t.hello_pending = True
+        t.last_hello = time.monotonic()
+        t.sock.send(
+            P.encode_control(
+                P.HELLO,
+                name=self.name,
+                credit_samples=self.cfg.credit_samples,
+                credit_bytes=self.cfg.credit_bytes,
+            )
+        )
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for t in self._teachers:
+            poller.register(t.sock, zmq.POLLIN)
+            self._hello(t)
+        poller.register(self._wake.r, zmq.POLLIN)
+        self._started.set()
+        interval = self.cfg.heartbeat_interval_s
+        next_hb = time.monotonic() + interval
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(max(0, int((next_hb - time.monotonic()) * 1000))))
+                if self._wake.r in events:
+                    self._wake.drain()
+                self._send_acks()
+                for t in self._teachers:
+                    if t.sock in events:
+                        self._recv_all(t)
+                now = time.monotonic()
+                if now >= next_hb:
+                    next_hb = now + interval
+                    for t in self._teachers:
+                        if not t.ended:
+                            self._keepalive(t, now)
+            self._send_acks()
+            for t in self._teachers:
+                if not t.ended:
+                    t.sock.send(P.encode_control(P.BYE, name=self.name), zmq.NOBLOCK)
+        except Exception as e:
+            log.exception("subscriber I/O thread failed")
+            self._error = TransportError(f"subscriber I/O thread failed: {e!r}")
+            self._started.set()
+
+    def _keepalive(self, t: _Teacher, now: float) -> None:
+        """Heartbeat; notice a silent teacher, say so, look for a restarted one, give up in the end."""
+        silent = now - t.last_seen
+        if silent > self.cfg.heartbeat_timeout_s:
+            if t.welcomed:
+                t.welcomed = False  # samples from it stop; HELLO again below
+                log.warning(
+                    "teacher %s silent for %.0f s (heartbeat_timeout_s=%.0f); waiting for it up to "
+                    "transport.teacher_wait_s=%.0f s",
+                    t.endpoint,
+                    silent,
+                    self.cfg.heartbeat_timeout_s,
+                    self.cfg.teacher_wait_s,
+                )
+                t.silent_logged = now
+            elif now - t.silent_logged >= _SILENT_LOG_EVERY_S:
+                t.silent_logged = now
+                log.warning(
+                    "no word from teacher %s for %.0f s; %d samples trained here so far; waiting up to %.0f s",
+                    t.endpoint,
+                    silent,
+                    self._counters["acked"],
+                    self.cfg.teacher_wait_s,
+                )
+            if silent > self.cfg.teacher_wait_s and self._error is None:
+                self._error = TeacherGone(
+                    f"no word from teacher {t.endpoint} for {silent:.0f} s (transport.teacher_wait_s)"
+                )
+        if not t.welcomed and now - t.last_hello > self.cfg.heartbeat_timeout_s:
+            self._hello(t)  # the teacher may have restarted or not be up yet
+        t.sock.send(P.encode_control(P.HEARTBEAT, name=self.name))
+
+    def _send_acks(self) -> None:
+        with self._lock:
+            ops = list(self._acks)
+            self._acks.clear()
+        if not ops:
+            return
+        batch: dict[tuple[str, bool], list[int]] = collections.defaultdict(list)
+        for op in ops:
+            if op is _COMMIT:
+                self._flush_acks(batch)
+                batch.clear()
+                for t in self._teachers:
+                    t.commit_out.extend(t.uncommitted)
+                    t.uncommitted.clear()
+                    self._send_commits(t)
+                continue
+            tid, seq, key, commit = op
+            t = self._by_tid.get(tid)
+            if t is None:
+                continue
+            if not commit:
+                t.uncommitted[key] = None
+            if t.tid == tid and t.welcomed:
+                batch[(tid, commit)].append(seq)
+            # else: that teacher incarnation is gone; its successor replays the sample and this
+            # side acks that copy as a duplicate.
+        self._flush_acks(batch)
+
+    def _flush_acks(self, batch: dict[tuple[str, bool], list[int]]) -> None:
+        for (tid, commit), seqs in batch.items():
+            self._by_tid[tid].sock.send(P.encode_control(P.ACK, tid=tid, seqs=seqs, commit=commit))
+
+    def _send_commits(self, t: _Teacher) -> None:
+        if not t.welcomed or not t.commit_out:
+            return
+        keys, t.commit_out = t.commit_out, []
+        for i in range(0, len(keys), P.MAX_KEYS_PER_MESSAGE):
+            t.sock.send(P.encode_control(P.COMMIT, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
+        self._counters["committed"] += len(keys)
+
+    def _recv_all(self, t: _Teacher) -> None:
+        while True:
+            try:
+                frames = t.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                header = P.decode_header(frames[0])
+                t.version_errors = 0
+                self._handle(t, header, frames[1:])
+            except ProtocolError as e:
+                self._rejected[e.reason] += 1
+                if e.reason == "version":
+                    t.version_errors += 1
+                # A teacher that never spoke our version (or stopped: restarted with another
+                # release) is fatal and said so. One such message from a teacher that speaks ours
+                # is a damaged frame: counted and dropped like any other.
+                if e.reason == "version" and (
+                    not t.ever_welcomed or t.version_errors >= _VERSION_ERRORS_FATAL
+                ):
+                    self._error = TransportError(
+                        f"teacher at {t.endpoint} speaks another protocol version ({e}); "
+                        "install the same distill-stream version on teacher and students"
+                    )
+                self._reject_log(e.reason, "rejected message from teacher %s: %s", t.endpoint, e)
+
+    def _handle(self, t: _Teacher, h: dict, frames: list) -> None:
+        kind = h["k"]
+        if kind == P.SAMPLE:
+            if not t.welcomed:
+                raise ProtocolError("kind", "sample before WELCOME")
+            if h.get("tid") != t.tid:
+                raise ProtocolError("foreign", f"sample of teacher {h.get('tid')!r}, talking to {t.tid!r}")
+            s = P.decode_sample(h, frames, self._shm.resolve)
+            t.last_seen = time.monotonic()
+            t.draining = False
+            self._counters["received"] += 1
+            self._counters["bytes_received"] += s.nbytes
+            if "shm" in h:
+                self._counters["shm_samples"] += 1
+            with self._lock:
+                if s.key in self._held:
+                    # A redelivered copy of a sample the consumer holds: acked together with it
+                    # (never on its behalf while it is held), or handed over if it is discarded.
+                    self._held[s.key].append(s)
+                    self._counters["held_copies"] += 1
+                    return
+                ledger = s.key in self._skip
+                dup = ledger or s.key in self._consumed
+                if not dup:
+                    self._held[s.key] = []
+            if dup:
+                # Already trained (ledger: a checkpoint covers it, so it is committed too) or
+                # consumed here: ack this copy at once, never train a sample twice.
+                self._counters["skipped_duplicates"] += 1
+                commit = ledger or self.commit_on_ack
+                if not commit:
+                    t.uncommitted[s.key] = None
+                t.sock.send(P.encode_control(P.ACK, tid=s.teacher, seqs=[s.seq], commit=commit))
+                return
+            self._q.put(s)
+            return
+        h = P.decode_control(h)
+        if kind == P.WELCOME:
+            if not t.hello_pending:
+                raise ProtocolError("foreign", "WELCOME without a HELLO")
+            t.last_seen = time.monotonic()
+            tid = h["tid"]
+            t.tid = tid
+            self._by_tid[tid] = t
+            shm_ok = False
+            shm = h["shm"]
+            if self.cfg.shm != "off" and shm is not None:
+                shm_ok = self._shm.attach(shm[0], shm[1])
+            if self.cfg.shm == "on" and not shm_ok:
+                self._error = TransportError(
+                    f"transport.shm is 'on' but the ring of teacher {t.endpoint} cannot be mapped"
+                )
+            t.welcomed = t.ever_welcomed = True
+            t.hello_pending = False
+            t.draining = t.ended = False
+            t.sock.send(P.encode_control(P.CREDIT, shm_ok=shm_ok))
+            # A new session (perhaps a restarted teacher): what this side acked and no checkpoint
+            # covers yet belongs to this session now; what was committed meanwhile is told.
+            keys = list(t.uncommitted)
+            for i in range(0, len(keys), P.MAX_KEYS_PER_MESSAGE):
+                t.sock.send(P.encode_control(P.ACKED, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
+            self._send_commits(t)
+            return
+        if kind == P.REFUSE:
+            self._error = TransportError(
+                f"teacher at {t.endpoint} refused this student: {h['reason']} (teacher protocol "
+                f"version {h['version']}, ours {P.PROTOCOL_VERSION})"
+            )
+            return
+        if kind == P.RESET:
+            t.last_seen = time.monotonic()
+            self._hello(t)  # the teacher (perhaps a new incarnation) does not know this session
+            return
+        if t.tid is None or h.get("tid", t.tid) != t.tid:
+            raise ProtocolError(
+                "foreign", f"{P.KIND_NAMES[kind]} from teacher {h.get('tid')!r}, talking to {t.tid!r}"
+            )
+        t.last_seen = time.monotonic()
+        if kind == P.HEARTBEAT:
+            pass
+        elif kind == P.DRAIN:
+            t.draining = True
+        elif kind == P.END:
+            t.ended = True
+            if all(x.ended for x in self._teachers):
+                self._q.put(_END)
+        else:
+            raise ProtocolError("kind", f"teachers do not send kind {kind}")
