@@ -222,11 +222,16 @@ def training_function(cfg: StudentConfig, run, args) -> None:
         return loss.detach(), terms
 
     def checkpoint() -> None:
-        """Collective: save, then tell the teacher that everything acked so far is covered."""
+        """Collective: save, then tell the teacher that everything acked so far is covered.
+
+        Without a step since the last checkpoint (or the resumed one), that checkpoint already
+        covers every key acked since (only keys of completed steps are acked): commit only, and
+        never write into the folder `latest` points at."""
         nonlocal last_ckpt
-        save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
+        if step > last_ckpt:
+            save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
+            last_ckpt = step
         source.commit()  # every rank passed save_checkpoint's final barrier: the save is complete
-        last_ckpt = step
 
     try:
         while not stop:
@@ -397,7 +402,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 break
         # Stopping for good (max_steps, end of stream): a checkpoint covers every trained step, so
         # the teacher can record everything acked as done (a resumed run would skip nothing else).
-        if cfg.checkpoint_every and step > last_ckpt and gone is None:
+        if cfg.checkpoint_every and gone is None:
             checkpoint()
         if gone is not None:
             if cfg.checkpoint_every and step > last_ckpt:  # saved, not committed: no teacher to tell
