@@ -112,21 +112,16 @@ class Journal:
                 st.add_line(line)
         return st
 
-    @staticmethod
-    def rewrite(path: str | os.PathLike, committed: Iterable[str], lock_wait_s: float = 0.0) -> None:
-        """Replace the journal by these committed keys, atomically, under its lock.
-
-        Raises:
-            JournalBusy: a teacher holds the journal.
-        """
-        p = Path(path)
-        j = Journal(p).open(lock_wait_s)
-        try:
-            tmp = p.with_name(p.name + ".tmp")
-            tmp.write_text("".join(k + "\n" for k in committed))
-            os.replace(tmp, p)
-        finally:
-            j.close()
+    def replace_committed(self, committed: Iterable[str]) -> None:
+        """(Held lock) Replace the file by these committed keys, atomically (temp file + rename)."""
+        if self._f is None:
+            raise RuntimeError("open() the journal first")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w") as out:
+            out.write("".join(k + "\n" for k in committed))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)  # the lock held on the old file keeps teachers out meanwhile
 
 
 class JournalTail:

@@ -1,10 +1,11 @@
-"""distill-reconcile: after the students crash, make the teacher send again what their checkpoint lacks.
+"""distill-reconcile: make the teacher send again what a student checkpoint lacks.
 
-Students acknowledge a sample after the optimizer step that used it, and save a checkpoint (model,
-optimizer, and the ledger of trained sample keys) every `student.checkpoint_every` steps. When the
-students die, the samples they acknowledged after their last checkpoint were trained into a model
-state that is gone: the teacher's journal lists them as done, the checkpoint's ledger does not
-have them. Resuming from the checkpoint alone would leave them out of training for good.
+Since protocol version 2 a teacher journals a key only once a student checkpoint covers it (students
+with `student.checkpoint_every` send COMMIT after each checkpoint; without checkpoints an ack is the
+commit), and the keys of a student session that ended uncommitted are generated again by the
+running teacher: after a crash nothing needs this tool. It remains for two cases: resuming students
+from a checkpoint OLDER than the one that committed (`student.resume_from: <step folder>`), and
+journals written by earlier releases, which recorded keys at the ack.
 
 This tool removes those keys from the teacher's journal. The next `distill-teacher` run (which
 skips the keys in its journal and in its spool folder) generates them again, and the students,
@@ -23,12 +24,13 @@ sent again too. The original journal is kept next to it as `<journal>.bak-<time>
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from distill.journal import Journal, JournalBusy
 
 
 class ReconcileError(Exception):
@@ -74,21 +76,22 @@ def reconcile(journal: str | os.PathLike, checkpoint: str | os.PathLike, *, dry_
         raise ReconcileError(f"journal {str(jpath)!r} does not exist")
     ckpt = resolve_checkpoint(checkpoint)
     step, trained = checkpoint_ledger(ckpt)
-    with open(jpath, "r+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise ReconcileError(
-                f"journal {str(jpath)!r} is in use (a teacher is running with it): stop it first"
-            ) from None
-        keys = [k for k in f.read().splitlines() if k]
-        keep = [k for k in keys if k in trained]
-        dropped = sorted(set(keys) - trained)
+    j = Journal(jpath)
+    try:
+        j.open(lock_wait_s=0.0)
+    except JournalBusy:
+        raise ReconcileError(
+            f"journal {str(jpath)!r} is in use (a teacher is running with it): stop it first"
+        ) from None
+    try:
+        keys = Journal.read(jpath).committed
+        keep = sorted(keys & trained)
+        dropped = sorted(keys - trained)
         result = {
             "journal": str(jpath),
             "checkpoint": str(ckpt),
             "step": step,
-            "journal_keys": len(set(keys)),
+            "journal_keys": len(keys),
             "checkpoint_keys": len(trained),
             "dropped": len(dropped),
             "dropped_keys": dropped,
@@ -97,13 +100,10 @@ def reconcile(journal: str | os.PathLike, checkpoint: str | os.PathLike, *, dry_
         if dropped and not dry_run:
             backup = jpath.with_name(f"{jpath.name}.bak-{time.strftime('%Y%m%d-%H%M%S')}")
             shutil.copy2(jpath, backup)
-            tmp = jpath.with_name(f".{jpath.name}.tmp")
-            with open(tmp, "w") as out:
-                out.write("".join(k + "\n" for k in keep))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, jpath)  # atomic; the lock held on the old file keeps teachers out meanwhile
+            j.replace_committed(keep)  # atomic; lost records go too (those keys are not committed)
             result["backup"] = str(backup)
+    finally:
+        j.close()
     return result
 
 
