@@ -112,7 +112,8 @@ class Publisher:
         self._stamp = secrets.randbits(40) << 20  # ring slot stamps: unique per publisher
         self._input_closed = False
         self._end_requested = False
-        self._lost: list[str] = []  # keys of sessions that ended uncommitted (take_lost)
+        self._lost: list[str] = []  # keys of sessions that ended uncommitted, not yet taken
+        self._lost_open: set[str] = set()  # lost keys neither submitted again nor committed since
         self._done = threading.Event()  # END sent
         self._idle = threading.Event()  # input closed, nothing waits or is in flight
         self._stop = threading.Event()
@@ -284,6 +285,7 @@ class Publisher:
             sample.seq = self._seq
             sample.teacher = self.tid
             self._counters["submitted"] += 1
+            self._lost_open.discard(sample.key)
             if to_spool:
                 self._spool_bytes += nbytes  # reserved; corrected to the file's size below
             else:
@@ -341,7 +343,8 @@ class Publisher:
 
     def take_lost(self) -> list[str]:
         """Keys acked by a student session that ended before a checkpoint covered them (they are
-        also in the journal as lost): generate and submit them again."""
+        also in the journal as lost): generate and submit them again. With auto_end, END waits
+        until each is submitted again (or committed by a student that comes back)."""
         with self._lock:
             out, self._lost = self._lost, []
         return out
@@ -587,6 +590,7 @@ class Publisher:
             self._journal.append_committed(keys)
         with self._lock:
             self._counters["committed"] += len(keys)
+            self._lost_open.difference_update(keys)
 
     def _ack(self, st: _Student, seqs: list[int], commit: bool) -> None:
         keys = []
@@ -651,6 +655,7 @@ class Publisher:
                 self._journal.append_lost(lost)
             with self._lock:
                 self._lost.extend(lost)
+                self._lost_open.update(lost)
                 self._counters["lost"] += len(lost)
         (log.warning if back or lost else log.info)(
             "student %s gone (%s): %d samples to redeliver, %d acked but not checkpointed (lost: to regenerate)",
@@ -781,6 +786,9 @@ class Publisher:
         if self.auto_end:
             if any(st.uncommitted for st in self._students.values()):
                 return  # students commit at their drain checkpoint (they got DRAIN)
+            with self._lock:
+                if self._lost_open:
+                    return  # the producer has keys to generate again (take_lost)
         elif not end_requested:
             return
         for ident, st in list(self._students.items()):

@@ -324,3 +324,24 @@ def test_transport_error_names_both_versions(tmp_path):
                 raise AssertionError("no error for a teacher of another protocol version")
     finally:
         router.close()
+
+
+def test_auto_end_waits_until_lost_keys_are_submitted_again(tmp_path):
+    cfg = _cfg(tmp_path, shm="off")
+    with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:
+        dying = Subscriber(cfg, commit_on_ack=False).start()
+        pub.submit(_sample(0))
+        dying.ack(dying.get(timeout=10))
+        assert wait_until(lambda: pub.stats()["acked"] == 1)
+        _mute(dying)  # dies before its checkpoint
+        assert wait_until(lambda: pub.stats()["lost"] == 1, 10)
+        pub.close_input()
+        with Subscriber(cfg) as sub:
+            assert not pub.wait_done(1.0), "END although a lost key was never generated again"
+            assert pub.take_lost() == ["k000"]
+            pub.submit(_sample(0))
+            s = sub.get(timeout=10)
+            assert s is not None and s.key == "k000"
+            sub.ack(s)
+            assert pub.wait_done(10)
+        dying.close()
