@@ -309,15 +309,9 @@ class StreamSource:
         from distill import transport
 
         self._errors = (ProtocolError, transport.TransportError)  # both end the run with a clear message
-        self._gone = getattr(transport, "TeacherGone", ())
-        self.teacher_wait_s = float(getattr(transport_cfg, "teacher_wait_s", 0.0))
+        self._gone = transport.TeacherGone  # a TransportError: caught first
         try:
-            try:
-                self.sub = transport.Subscriber(
-                    transport_cfg, skip_keys=skip_keys, commit_on_ack=commit_on_ack
-                )
-            except TypeError:  # TODO(transition): a Subscriber before COMMIT; remove once distill/ has it
-                self.sub = transport.Subscriber(transport_cfg, skip_keys=skip_keys)
+            self.sub = transport.Subscriber(transport_cfg, skip_keys=skip_keys, commit_on_ack=commit_on_ack)
             self.sub.start()
         except self._errors as e:
             raise StudentError(transport_message(e)) from None
@@ -347,19 +341,18 @@ class StreamSource:
             self.sub.ack(samples)
 
     def valid(self, sample: Sample) -> bool:
-        return bool(self.sub.valid(sample)) if hasattr(self.sub, "valid") else True
+        return bool(self.sub.valid(sample))
 
     def discard(self, samples: list[Sample]) -> None:
         if samples:
             self.sub.discard(samples)
 
     def commit(self) -> None:
-        if hasattr(self.sub, "commit"):
-            self.sub.commit()
+        self.sub.commit()
 
     @property
     def uncommitted(self) -> int:
-        return int(getattr(self.sub, "uncommitted", 0))
+        return int(self.sub.uncommitted)
 
     def stats(self) -> dict:
         return dict(self.sub.stats())

@@ -125,9 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     # Run until every row is committed. Keys a student session acknowledged but never committed
     # (it died before a checkpoint covered them) come back from take_lost(): compute and send again.
     ok = False
-    take_lost = getattr(pub, "take_lost", list)  # TODO(transition): a Publisher before COMMIT has none
     while time.monotonic() < deadline:
-        lost = take_lost()
+        lost = pub.take_lost()
         for key in lost:
             pub.submit(teacher.sample(key))
         if lost:

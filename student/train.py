@@ -448,12 +448,17 @@ def training_function(cfg: StudentConfig, run, args) -> None:
 def gone_message(why: str, trained: int, cfg: StudentConfig, run, args) -> str:
     """The one line a student prints when its teacher is gone (exit code 3)."""
     conf = args.config
+    latest = Path(cfg.ckpt_dir) / "latest"
+    ckpt = (
+        f"checkpoint {Path(cfg.ckpt_dir) / latest.read_text().strip()}"
+        if latest.is_file()
+        else "no checkpoint"
+    )
     return (
-        f"{why}; trained {trained} samples (checkpoints in {cfg.ckpt_dir}); the rest is with the "
-        f"teacher (its spool folder {run.spool.dir} and its journal); to finish the job restart the "
-        f"teacher: `distill-teacher --config {conf}`, then the students with the same launch command "
-        f"and resume_from: latest: `accelerate launch student.py --config {conf} "
-        f"--set student.resume_from=latest`"
+        f"{why}; trained {trained} samples ({ckpt}); the rest is with the teacher: its spool folder "
+        f"{run.spool.dir} and the rows its journal does not list; to finish the job restart the teacher "
+        f"(`distill-teacher --config {conf}`), then the students with your launch command and "
+        f"resume_from: latest (`accelerate launch student.py --config {conf} --set student.resume_from=latest`)"
     )
 
 
@@ -531,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     except TeacherGoneError as e:
         # Every rank stops with code 3; only the main one says why, in one line.
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"student: {e}", file=sys.stderr, flush=True)
+            print(f"student stopped: {e}", file=sys.stderr, flush=True)
         keep_alive = e  # noqa: F841
         code = 3
     except (ConfigError, StudentError) as e:

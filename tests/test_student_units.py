@@ -413,10 +413,11 @@ def test_teacher_gone_exits_3_with_one_line_that_says_how_to_finish(tmp_path):
     transport = {"connect": [ep], "bind": [ep], "teacher_wait_s": 3, "heartbeat_timeout_s": 1}
     proc = run_student(tmp_path, {**TINY_STUDENT, "idle_flush_s": 0.2}, transport)
     assert proc.returncode == 3, proc.stderr[-3000:]
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("student: ")]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("student stopped: ")]
     assert len(lines) == 1, proc.stderr[-3000:]
     line = lines[0]
-    assert "trained 0 samples" in line and "spool" in line
+    assert "no word from teacher" in line and "trained 0 samples (no checkpoint)" in line
+    assert "spool folder runs/spool" in line
     run = str(tmp_path / "run.yaml")
     assert f"distill-teacher --config {run}" in line
     assert f"accelerate launch student.py --config {run}" in line and "resume_from" in line
