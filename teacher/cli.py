@@ -1,49 +1,69 @@
 """`distill-teacher --config configs/<file>.yaml [--set section.key=value ...]`
 
-Runs vLLM over a dataset with hidden-state extraction and our connector (teacher/connector.py),
-which hands every finished request's states to the ZeroMQ Publisher in vLLM's worker process.
+A run is a loop of two phases; it ends when every sample of the dataset is COMMITTED by students
+(trained, and with checkpointing covered by a checkpoint), or with a non-zero exit code that says
+what is left and where it is.
 
-How this process knows delivery finished: the Publisher lives in vLLM's worker process (vLLM's
-default multi-process mode: this process -> engine core -> worker), not here. Two files are the
-channel back, and both are also the resume record:
+GENERATE  rows that are neither committed (journal) nor in the spool go through vLLM with our
+          connector (teacher/connector.py). Its Publisher lives in vLLM's worker process and
+          streams to students (or spools when none is connected / memory is full); it never sends
+          END. Keys that students lose meanwhile (their session ended without committing them:
+          `!lost` records in the journal) are generated again. When the last window is done the
+          engine is shut down at once (frees the GPU); its Publisher waits at most
+          `teacher.drain_timeout_s` for acks and spools the rest.
+SERVE     this process starts its own Publisher (auto_end=False) on the same endpoints; it replays
+          the spool (files of the engine phase and of earlier runs) until every key is committed
+          in the journal, then sends END, waits briefly and exits 0. Keys lost while serving
+          (`Publisher.take_lost`) or missing (neither committed nor spooled nor held by anyone)
+          send the loop back to GENERATE (the serve Publisher is closed first: same endpoints).
+          The wait shows progress every `teacher.progress_every_s` and is bounded by
+          `teacher.student_wait_s` without student progress (exit 3).
 
-    journal    keys acknowledged by students (appended by the Publisher per ack batch)
-    spool dir  `spool_name(key)` files, written atomically when no student takes a sample
+`teacher.after_generation: exit` skips SERVE: generate now, train offline later (everything not
+committed is in the spool; a later `distill-teacher` with the same config serves it).
 
-After the last window, this process waits until every key it submitted is in the journal or in the
-spool (at most `teacher.drain_timeout_s`), then shuts the engine down; the connector's shutdown
-closes the Publisher, which spools anything still unacked. A restarted run skips keys found in
-either. Running vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) would put the Publisher here,
-but then the last finished requests are only extracted on a later engine step that never comes
-(NOTES: in-process pitfall), and tensor parallelism still puts rank 0 in another process: the
-file channel works in every mode.
+Exit codes: 0 every sample committed (after_generation=exit: everything generated and spooled);
+1 the vLLM engine died, or samples are missing (one line with counts; END is never sent); 2 config
+or usage error (before vLLM starts); 3 no student progress for `teacher.student_wait_s` with
+samples left (they are in the spool; the printed command finishes the job); 130 SIGINT/SIGTERM.
+Every exit after the config check writes `teacher.summary_path` (default `<journal>.summary.json`).
 
-Ordering rules:
-  1. Everything that can be wrong with the config, model folder, layer ids or dataset is checked
-     before vLLM is imported (a clear one-line error, exit code 2).
-  2. Signals. SIGTERM (or SIGINT) sent to this process: stop after the current window, wait for
-     delivery as usual, shut down, exit 130. Ctrl-C in a terminal also reaches vLLM's engine
-     processes (one process group; vLLM installs its own handlers there): they shut down at once,
-     the connector's shutdown closes the Publisher (unacked samples are spooled), and this process
-     sees the engine die, reports, and exits 130. A second signal aborts the wait. Either way no
-     partial file is left (spool writes are atomic) and what was not delivered is re-run on
-     restart.
+How this process knows what students finished: the Publisher of the GENERATE phase lives in vLLM's
+worker process, not here; the journal (committed and lost keys, appended by whichever Publisher
+runs) and the spool folder are the channel back, and both are also the resume record.
+
+Signals: SIGTERM (or SIGINT) to this process: GENERATE stops after the current window (the engine
+shutdown spools what students have not acked), SERVE closes its Publisher (spools what is in
+flight); exit 130. Ctrl-C in a terminal also reaches vLLM's engine processes: they stop at once and
+this process reports and exits 130. A second signal aborts. Spool files are atomic (never
+partial); what was not committed is served or generated again on restart.
+
+vLLM engine death (an exception out of `llm.generate`, or the engine core process killed): vLLM's
+SyncMPClient output thread exits on the engine monitor's shutdown without waking `get_output`, so
+`llm.generate` would wait forever (vLLM 0.32 `core_client.py`, SyncMPClient.process_outputs_socket);
+a watchdog thread here posts EngineDeadError into its queue when the monitor marks the engine dead.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import itertools
+import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
+from distill.journal import Journal, JournalTail
 from distill.spool import list_spool, spool_name
 from teacher.config import (
     ConnectorConfig,
@@ -57,32 +77,12 @@ from teacher.data import check_dataset, iter_rows
 
 log = logging.getLogger("distill.teacher")
 
-
-class JournalTail:
-    """Reads an append-only journal incrementally (only complete lines)."""
-
-    def __init__(self, path: str | None):
-        self.path = Path(path) if path else None
-        self.keys: set[str] = set()  # acknowledged keys seen so far
-        self._offset = 0
-        self._partial = b""
-
-    def poll(self) -> set[str]:
-        if self.path is None or not self.path.exists():
-            return self.keys
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        self._offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        self.keys.update(x.decode() for x in lines if x)
-        return self.keys
+EXIT_OK, EXIT_MISSING, EXIT_CONFIG, EXIT_STUDENTS_GONE, EXIT_SIGNAL = 0, 1, 2, 3, 130
 
 
 class Stop:
-    """SIGINT/SIGTERM: the first asks to stop after the current window, the second aborts."""
+    """SIGINT/SIGTERM: the first asks to stop (after the current window / at the next check), the
+    second aborts."""
 
     def __init__(self):
         self.requested = False
@@ -91,16 +91,58 @@ class Stop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        log.warning(
-            "%s: finishing the current window, then draining (again to abort)", signal.Signals(signum).name
-        )
+        log.warning("%s: stopping (again to abort)", signal.Signals(signum).name)
 
 
-def preflight(cfg: TeacherConfig) -> int:
-    """Checks that need no vLLM. Returns the number of dataset rows used. Raises ConfigError."""
+def preflight(cfg: TeacherConfig) -> list[str]:
+    """Checks that need no vLLM. Returns the dataset keys the run must deliver. Raises ConfigError."""
     num_layers = model_num_layers(cfg.model)
     check_layer_ids(cfg.layer_ids, num_layers)
-    return check_dataset(cfg)
+    keys = check_dataset(cfg)
+    if cfg.idle_timeout_s is not None:
+        log.warning("teacher.idle_timeout_s is deprecated and ignored (see teacher.student_wait_s)")
+    return keys
+
+
+def check_journal_free(path: str, wait_s: float = 10.0) -> None:
+    """A second teacher on the same journal would lose committed keys: refuse before vLLM starts
+    (the previous teacher's engine may still be exiting: wait up to `wait_s`)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise ConfigError(
+                        f"teacher.journal: {path!r} is in use by another process (a teacher running "
+                        "with the same journal, or distill-reconcile); give each teacher its own"
+                    ) from None
+                time.sleep(0.1)
+
+
+def check_endpoints_free(transport: TransportConfig) -> None:
+    """Bind and release every endpoint once, so a port in use fails before vLLM starts."""
+    import zmq
+
+    ctx = zmq.Context()  # own context, terminated here: nothing of it survives into vLLM's forks
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        for ep in transport.bind:
+            try:
+                sock.bind(ep)
+            except zmq.ZMQError as e:
+                raise ConfigError(
+                    f"transport.bind: cannot bind {ep!r}: {e} (another teacher on this port?)"
+                ) from None
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 def build_llm(cfg: TeacherConfig, conn: ConnectorConfig):
@@ -134,212 +176,604 @@ def shutdown_llm(llm, timeout_s: float) -> None:
             core.shutdown()
 
 
-def run(cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, num_rows: int) -> int:
-    from tqdm import tqdm
+class EngineWatchdog:
+    """Turns a dead engine core into an exception out of `llm.generate` instead of a hang.
 
+    vLLM 0.32's engine monitor marks the client dead and shuts its output thread down, but that
+    thread exits without posting anything, so `SyncMPClient.get_output` (a blocking queue.get)
+    never returns. Every 0.5 s this checks `resources.engine_dead` and posts EngineDeadError.
+    """
+
+    def __init__(self, llm):
+        self._stop = threading.Event()
+        self.fired = False
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        self._res = getattr(core, "resources", None)
+        self._queue = getattr(core, "outputs_queue", None)
+        self._thread = None
+        if self._res is not None and self._queue is not None:
+            self._thread = threading.Thread(target=self._loop, name="distill-engine-watchdog", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            if getattr(self._res, "engine_dead", False):
+                try:
+                    from vllm.v1.engine.exceptions import EngineDeadError
+
+                    err: Exception = EngineDeadError()
+                except Exception:  # another vLLM layout
+                    err = RuntimeError("vLLM engine core died")
+                self.fired = True
+                self._queue.put_nowait(err)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+
+class EngineDied(Exception):
+    """The vLLM engine failed (start or mid-run): exit 1, never END."""
+
+
+class ServeFailed(Exception):
+    """The serve phase could not start its Publisher: exit 1."""
+
+
+@dataclass
+class Run:
+    """What one `distill-teacher` invocation did; written as the summary JSON."""
+
+    cfg: TeacherConfig
+    transport: TransportConfig
+    spool: SpoolConfig
+    keys: list[str]
+    command: str
+    t0: float = field(default_factory=time.monotonic)
+    base_tid: str = ""
+    committed_at_start: int = 0
+    generated: int = 0  # samples that went through vLLM (this invocation, all rounds)
+    tokens: int = 0
+    nbytes: int = 0
+    generate_s: float = 0.0
+    too_long: set[str] = field(default_factory=set)
+    lost: int = 0  # lost records seen (keys whose student session ended uncommitted)
+    regenerated: int = 0  # samples generated more than once by this invocation (lost or missing)
+    generated_keys: set[str] = field(default_factory=set)
+    students_max: int = 0
+    phases: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+    reason: str = ""
+
+    @property
+    def spool_dir(self) -> Path:
+        return Path(self.spool.dir)
+
+    @property
+    def required(self) -> set[str]:
+        return set(self.keys) - self.too_long
+
+    def spooled_names(self) -> set[str]:
+        return {p.name for p in list_spool(self.spool_dir)}
+
+    def committed(self) -> set[str]:
+        return Journal.read(self.cfg.journal).committed
+
+    def state(self) -> dict:
+        committed = self.committed() & self.required
+        names = self.spooled_names()
+        left = [k for k in self.required if k not in committed]
+        in_spool = sum(1 for k in left if spool_name(k) in names)
+        return {
+            "total": len(self.required),
+            "committed": len(committed),
+            "not_committed": len(left),
+            "spooled": in_spool,
+            "missing": len(left) - in_spool,  # neither committed nor in the spool
+        }
+
+    def summary_path(self) -> Path:
+        return Path(self.cfg.summary_path or f"{self.cfg.journal}.summary.json")
+
+    def finish(self, rc: int) -> int:
+        st = self.state()
+        elapsed = time.monotonic() - self.t0
+        gen_s = max(self.generate_s, 1e-9)
+        summary = {
+            "exit_code": rc,
+            "reason": self.reason,
+            **st,
+            "samples": self.generated,
+            "tokens": self.tokens,
+            "bytes": self.nbytes,
+            "generate_s": round(self.generate_s, 3),
+            "wall_s": round(elapsed, 3),
+            "tokens_per_s": round(self.tokens / gen_s, 1) if self.generated else 0.0,
+            "committed_at_start": self.committed_at_start,
+            "lost": self.lost,
+            "regenerated": self.regenerated,
+            "too_long": len(self.too_long),
+            "students_max": self.students_max,
+            "interrupted": self.interrupted,
+            "spool_dir": str(self.spool_dir),
+            "spool_bytes": _spool_bytes(self.spool_dir),
+            "journal": self.cfg.journal,
+            "teacher_id": self.base_tid,
+            "phases": self.phases,
+            "command": self.command,
+        }
+        path = self.summary_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(summary, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            log.error("cannot write the summary %s: %s", path, e)
+        print(
+            # For humans; scripts read the summary JSON.
+            f"distill-teacher: {self.generated} samples, {self.tokens} tokens, {self.nbytes / 1e9:.3f} GB "
+            f"generated in {self.generate_s:.1f}s ({self.tokens / gen_s:.0f} tok/s); "
+            f"committed {st['committed']}/{st['total']} after {elapsed:.1f}s, "
+            f"spooled {st['spooled']} ({_spool_bytes(self.spool_dir) / 1e6:.1f} MB in {self.spool_dir}), "
+            f"already done {self.committed_at_start}, too long {len(self.too_long)}, "
+            f"lost {self.lost}, regenerated {self.regenerated}; exit {rc}; summary {path}",
+            file=sys.stderr,
+        )
+        return rc
+
+
+def run(
+    cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, keys: list[str], command: str
+) -> int:
+    r = Run(cfg, transport, spool, keys, command)
+    r.base_tid = transport.teacher_id or f"{socket.gethostname()}-{os.getpid()}"
+    r.committed_at_start = len(r.committed() & set(keys))
+    stop = Stop()
+    old_int = signal.signal(signal.SIGINT, stop)
+    old_term = signal.signal(signal.SIGTERM, stop)
+    fruitless = 0  # rounds that regenerated samples without any new commit
+    try:
+        rnd = 0
+        regenerate = True  # round 0 generates whatever is neither committed nor spooled
+        while True:
+            if stop.requested:
+                r.interrupted = True
+                r.reason = "signal"
+                return r.finish(EXIT_SIGNAL)
+            committed = r.committed()
+            names = r.spooled_names()
+            todo = [
+                k for k in keys if k not in committed and k not in r.too_long and spool_name(k) not in names
+            ]
+            committed_before = len(committed & r.required)
+            if todo and regenerate:
+                if rnd > 0:
+                    log.warning("generating %d samples again (lost or missing)", len(todo))
+                again = generate(r, todo, stop, rnd)
+                if stop.requested:
+                    r.interrupted = True
+                    r.reason = "signal"
+                    return r.finish(EXIT_SIGNAL)
+                if again:  # keys lost while the engine shut down: generate them again first
+                    rnd += 1
+                    continue
+            regenerate = False
+            st = r.state()
+            if st["not_committed"] == 0:
+                if not r.phases:
+                    print(
+                        f"distill-teacher: nothing to do: all {st['total']} samples are committed "
+                        f"in {cfg.journal}",
+                        file=sys.stderr,
+                    )
+                r.reason = "done"
+                return r.finish(EXIT_OK)
+            if cfg.after_generation == "exit":
+                r.reason = "after_generation=exit"
+                if st["missing"]:
+                    print(
+                        f"distill-teacher: {st['missing']} samples neither committed nor spooled; "
+                        f"run again to generate them: {command}",
+                        file=sys.stderr,
+                    )
+                    return r.finish(EXIT_MISSING)
+                print(
+                    f"distill-teacher: generation done; {st['spooled']} samples wait in the spool "
+                    f"{r.spool_dir} (after_generation: exit). Serve them to students with: {command} "
+                    "--set teacher.after_generation=serve",
+                    file=sys.stderr,
+                )
+                return r.finish(EXIT_OK)
+            outcome, lost_keys = serve(r, stop, rnd)
+            if outcome == "done":
+                r.reason = "done"
+                return r.finish(EXIT_OK)
+            if outcome == "signal":
+                r.interrupted = True
+                r.reason = "signal"
+                return r.finish(EXIT_SIGNAL)
+            if outcome == "gone":
+                st = r.state()
+                r.reason = "students gone"
+                wait = cfg.student_wait_s
+                print(
+                    f"distill-teacher: no student progress for {wait:.0f}s: {st['not_committed']} of "
+                    f"{st['total']} samples not trained ({st['spooled']} in the spool {r.spool_dir}, "
+                    f"{st['missing']} to generate). Finish the job with: {command}",
+                    file=sys.stderr,
+                )
+                return r.finish(EXIT_STUDENTS_GONE)
+            # outcome == "lost": generate them (and anything else missing) again
+            if len(r.committed() & r.required) == committed_before:
+                fruitless += 1
+            else:
+                fruitless = 0
+            if fruitless >= 3:
+                st = r.state()
+                r.reason = "no progress: the same samples keep getting lost"
+                print(
+                    f"distill-teacher: samples keep getting lost without any commit (3 rounds); "
+                    f"{st['not_committed']} of {st['total']} not trained ({st['spooled']} in the spool "
+                    f"{r.spool_dir}). Finish the job with: {command}",
+                    file=sys.stderr,
+                )
+                return r.finish(EXIT_STUDENTS_GONE)
+            rnd += 1
+            regenerate = True
+    except EngineDied as e:
+        r.reason = f"engine died: {e}"
+        st = r.state()
+        print(
+            f"distill-teacher: the vLLM engine died ({e}); {st['not_committed']} of "
+            f"{st['total']} samples not committed ({st['spooled']} in the spool "
+            f"{r.spool_dir}, {st['missing']} to generate); no END was sent. "
+            f"Restart to finish: {command}",
+            file=sys.stderr,
+        )
+        return r.finish(EXIT_MISSING)
+    except ServeFailed as e:
+        r.reason = str(e)
+        st = r.state()
+        print(
+            f"distill-teacher: {e}; {st['not_committed']} of {st['total']} samples not committed "
+            f"({st['spooled']} in the spool {r.spool_dir}). Restart to finish: {command}",
+            file=sys.stderr,
+        )
+        return r.finish(EXIT_MISSING)
+    except KeyboardInterrupt:
+        r.interrupted = True
+        r.reason = "aborted by a second signal"
+        log.warning("aborted: samples not committed are served or generated again on restart")
+        return r.finish(EXIT_SIGNAL)
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
+    """GENERATE phase: run `todo` (and keys lost meanwhile) through vLLM, then shut it down.
+
+    Returns True when keys were lost after the last window (the caller generates them again).
+    Raises EngineDied when the engine failed (nothing is sent as END; the caller exits 1).
+    """
     from teacher.data import Prompter
 
-    if not transport.teacher_id:
-        transport = transport.model_copy(update={"teacher_id": f"{socket.gethostname()}-{os.getpid()}"})
+    cfg = r.cfg
     conn = ConnectorConfig(
         mode=cfg.connector_mode,
-        transport=transport,
-        spool=spool,
+        transport=r.transport.model_copy(update={"teacher_id": f"{r.base_tid}-gen{rnd}"}),
+        spool=r.spool,
         journal=cfg.journal,
         include_output_tokens=cfg.include_output_tokens,
         queue_samples=cfg.queue_samples,
         pinned_buffers=cfg.pinned_buffers,
         copy_threads=cfg.copy_threads,
+        drain_timeout_s=cfg.drain_timeout_s,  # one drain setting (teacher and connector)
         # No caller reads the returned paths while we run: skip the per-request lock files (a file
         # create + flock + unlink on the engine step for each request); spooled files still get one.
         use_lock=False,
     )
-    spool_dir = Path(spool.dir)
-    journal = JournalTail(cfg.journal)
-    done_before = journal.poll()
+    check_journal_free(cfg.journal)
+    if cfg.connector_mode == "stream":
+        check_endpoints_free(r.transport)
+    tail = JournalTail(cfg.journal)
+    tail.poll()  # history: lost records of earlier runs are in `todo` already
+    pending: set[str] = set(todo)
+    order = {k: i for i, k in enumerate(r.keys)}
+    phase = {"phase": "generate", "round": rnd, "todo": len(todo), "samples": 0, "lost": 0}
+    r.phases.append(phase)
+    t_phase = time.monotonic()
 
-    def in_spool(key: str) -> bool:
-        return (spool_dir / spool_name(key)).exists()
+    def take_lost() -> None:
+        _, new_lost = tail.poll()
+        for k in new_lost:
+            r.lost += 1
+            phase["lost"] += 1
+            if k in order and k not in tail.committed:
+                pending.add(k)
 
-    # Lazy: rows are read window by window, so memory stays flat for any dataset size.
-    skipped = 0
-
-    def todo_rows():
-        nonlocal skipped
-        for k, row in iter_rows(cfg):
-            if k in done_before or in_spool(k):
-                skipped += 1
-                continue
-            yield k, row
-
-    rows = todo_rows()
-    first_window = list(itertools.islice(rows, cfg.window))
-    if not first_window:
-        print(
-            f"distill-teacher: nothing to do: all {skipped} samples are in the journal or the spool",
-            file=sys.stderr,
-        )
-        return 0
+    def rows():
+        """Rows whose key is pending, in dataset order; passes again while lost keys come back."""
+        while pending:
+            for k, row in iter_rows(cfg):
+                if k in pending:
+                    pending.discard(k)
+                    yield k, row
 
     prompter = Prompter(cfg)
-    stop = Stop()
-    llm = build_llm(cfg, conn)
-    old_int = signal.signal(signal.SIGINT, stop)
-    old_term = signal.signal(signal.SIGTERM, stop)
-
     from vllm import SamplingParams
+
+    def prepare(window):
+        """Token ids and sampling params of one window (runs while the previous one generates)."""
+        prompts, params, keys, n_long = [], [], [], 0
+        for key, row in window:
+            ids = prompter.token_ids(row)
+            if len(ids) + cfg.max_tokens > cfg.max_model_len:
+                n_long += 1
+                r.too_long.add(key)
+                log.warning("skipping %r: %d prompt tokens > max_model_len - max_tokens", key, len(ids))
+                continue
+            kv = {
+                "sample_key": key,
+                "meta": {"prompt_tokens": len(ids)},
+                "include_output_tokens": cfg.include_output_tokens,
+            }
+            prompts.append({"prompt_token_ids": ids})
+            params.append(
+                SamplingParams(
+                    max_tokens=cfg.max_tokens,
+                    temperature=cfg.temperature,
+                    extra_args={"kv_transfer_params": kv},
+                )
+            )
+            keys.append(key)
+        return len(window), prompts, params, keys
+
+    it = rows()
+
+    def next_window():
+        return prepare(list(itertools.islice(it, cfg.window)))
+
+    # Find the first window with something to run before starting vLLM (rows may all be too long).
+    first = next_window()
+    while first[0] and not first[1]:
+        first = next_window()
+    if not first[0]:
+        phase["seconds"] = round(time.monotonic() - t_phase, 3)
+        return False
+
+    from tqdm import tqdm
 
     hidden = _hidden_size(cfg.model)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.dtype, _model_itemsize(cfg.model))
     bytes_per_token = len(cfg.layer_ids) * hidden * itemsize
-    submitted: list[str] = []
-    n_tokens = 0
-    n_bytes = 0
-    too_long = 0
-    t0 = time.monotonic()
-    bar = tqdm(total=num_rows, unit="sample", dynamic_ncols=True)
-    shown_skipped = 0
-    interrupted = False
-    engine_dead = False  # the engine processes exited (Ctrl-C reaches them too)
-    gen_s = None  # seconds until the last window was generated
+    spool_dir = r.spool_dir
+    llm = None
+    watchdog = None
+    dead: str | None = None
     prefetch = ThreadPoolExecutor(1, thread_name_prefix="distill-prefetch")  # next window's token ids
+    bar = tqdm(total=len(todo), unit="sample", dynamic_ncols=True)
+    t0 = time.monotonic()
     try:
-
-        def prepare(window):
-            """Token ids and sampling params of one window (runs while the previous one generates)."""
-            prompts, params, keys, n_long = [], [], [], 0
-            for key, row in window:
-                ids = prompter.token_ids(row)
-                if len(ids) + cfg.max_tokens > cfg.max_model_len:
-                    n_long += 1
-                    log.warning("skipping %r: %d prompt tokens > max_model_len - max_tokens", key, len(ids))
-                    continue
-                kv = {
-                    "sample_key": key,
-                    "meta": {"prompt_tokens": len(ids)},
-                    "include_output_tokens": cfg.include_output_tokens,
-                }
-                prompts.append({"prompt_token_ids": ids})
-                params.append(
-                    SamplingParams(
-                        max_tokens=cfg.max_tokens,
-                        temperature=cfg.temperature,
-                        extra_args={"kv_transfer_params": kv},
-                    )
-                )
-                keys.append(key)
-            return len(window), prompts, params, keys, n_long
-
-        nxt = prefetch.submit(prepare, first_window)
-        while True:
-            n_rows, prompts, params, keys, n_long = nxt.result()
-            if n_rows == 0:
-                break
+        try:
+            llm = build_llm(cfg, conn)
+        except Exception as e:
             if stop.requested:
-                interrupted = True
+                return False
+            raise EngineDied(f"engine start failed: {type(e).__name__}: {e}") from e
+        watchdog = EngineWatchdog(llm)
+        t0 = time.monotonic()
+        nxt = None
+        cur = first
+        while True:
+            n_rows, prompts, params, keys = cur
+            if n_rows == 0:
+                take_lost()
+                if not pending:
+                    break
+                it = rows()  # lost keys came back after the last pass
+                cur = next_window()
+                continue
+            if stop.requested:
                 break
-            too_long += n_long
-            nxt = prefetch.submit(lambda: prepare(list(itertools.islice(rows, cfg.window))))
+            nxt = prefetch.submit(next_window)
             try:
                 outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
             except Exception as e:
-                if not stop.requested:
-                    raise
-                # Ctrl-C reached the engine processes too: they are gone (see module docstring).
-                log.warning("engine stopped by the signal (%s)", type(e).__name__)
-                engine_dead = True
-                interrupted = True
+                if stop.requested:
+                    # Ctrl-C reached the engine processes too: they are gone (see module docstring).
+                    log.warning("engine stopped by the signal (%s)", type(e).__name__)
+                    break
+                dead = f"{type(e).__name__}: {e}".rstrip(": ")
                 break
             for key, out in zip(keys, outs, strict=True):
                 n = len(out.prompt_token_ids)
                 if cfg.include_output_tokens:
                     n += len(out.outputs[0].token_ids) - 1
-                n_tokens += n
-                n_bytes += n * bytes_per_token
-                submitted.append(key)
-            bar.update(n_rows + skipped - shown_skipped)  # rows run + rows found done
-            shown_skipped = skipped
+                r.tokens += n
+                r.nbytes += n * bytes_per_token
+                r.generated += 1
+                phase["samples"] += 1
+                if key in r.generated_keys:
+                    r.regenerated += 1
+                else:
+                    r.generated_keys.add(key)
+            bar.update(n_rows)
             dt = max(time.monotonic() - t0, 1e-9)
             bar.set_postfix_str(
-                f"{len(submitted) / dt:.1f} samples/s, {n_tokens / dt:.0f} tok/s, "
-                f"{n_bytes / dt / 1e9:.3f} GB/s, acked {len(journal.poll() & set(submitted))}, "
-                f"spool {_spool_mb(spool_dir):.1f} MB"
+                f"{phase['samples'] / dt:.1f} samples/s, {r.tokens / dt:.0f} tok/s, "
+                f"committed {len(tail.committed)}, spool {_spool_bytes(spool_dir) / 1e6:.1f} MB"
             )
-        bar.close()
-        gen_s = time.monotonic() - t0
-        if not engine_dead:
-            _wait_delivered(submitted, journal, in_spool, cfg.drain_timeout_s, cfg.idle_timeout_s, stop)
+            take_lost()
+            cur = nxt.result()
+            nxt = None
     except KeyboardInterrupt:
-        interrupted = True
-        log.warning("aborted: samples not yet delivered will be re-run on restart")
+        stop.requested = True
+        raise
     finally:
         bar.close()
+        r.generate_s += time.monotonic() - t0
+        if nxt is not None:
+            nxt.cancel()
         prefetch.shutdown(wait=True, cancel_futures=True)
-        shutdown_llm(llm, timeout_s=conn.drain_timeout_s + 15)
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
-
-    elapsed = time.monotonic() - t0
-    gen_s = gen_s or elapsed
-    acked = journal.poll() & set(submitted)
-    spooled = [k for k in submitted if in_spool(k)]
-    for k in spooled:  # vLLM's load_hidden_states opens `<file>.lock`: make sure it exists
-        lock = spool_dir / (spool_name(k) + ".lock")
+        if watchdog is not None:
+            watchdog.close()
+        if llm is not None:
+            # Frees the GPU now: the serve phase needs no engine. The connector waits at most
+            # drain_timeout_s for acks, then spools what is unacked.
+            t_sd = time.monotonic()
+            shutdown_llm(llm, timeout_s=cfg.drain_timeout_s + 60)
+            log.info("engine shut down in %.1fs", time.monotonic() - t_sd)
+            del llm
+        phase["seconds"] = round(time.monotonic() - t_phase, 3)
+    if dead is not None:
+        raise EngineDied(dead)
+    # Lost while the engine shut down (or just before): generate those again.
+    take_lost()
+    for p in list_spool(spool_dir):  # vLLM's load_hidden_states opens `<file>.lock`
+        lock = Path(f"{p}.lock")
         if not lock.exists():
             lock.touch()
-    lost = [k for k in submitted if k not in acked and not in_spool(k)]
-    print(
-        # scripts/e2e.py parses "N samples, T tokens, G GB in S s ... spooled K": keep that shape.
-        f"distill-teacher: {len(submitted)} samples, {n_tokens} tokens, {n_bytes / 1e9:.3f} GB in "
-        f"{gen_s:.1f}s ({n_tokens / max(gen_s, 1e-9):.0f} tok/s, {n_bytes / max(gen_s, 1e-9) / 1e9:.3f} GB/s), "
-        f"delivered and shut down after {elapsed:.1f}s; "
-        f"acked {len(acked)}, spooled {len(spooled)} ({_spool_mb(spool_dir):.1f} MB in {spool_dir}), "
-        f"already done {skipped}, too long {too_long}" + (", interrupted" if interrupted else ""),
-        file=sys.stderr,
-    )
-    if lost:
-        print(
-            f"distill-teacher: {len(lost)} samples neither acked nor spooled (e.g. {lost[:3]}); "
-            "they will be re-run on restart",
-            file=sys.stderr,
-        )
-    if interrupted:
-        return 130
-    return 1 if lost else 0
+    return bool(pending) and not stop.requested
 
 
-def _wait_delivered(
-    submitted, journal: JournalTail, in_spool, timeout_s: float, idle_s: float, stop: Stop
-) -> list[str]:
-    """Wait until every submitted key is acked (journal) or spooled. Returns the keys still open.
+def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
+    """SERVE phase: replay the spool to students until every required key is committed.
 
-    Gives up after `timeout_s`, or after `idle_s` without any key becoming acked or spooled (no
-    student is taking samples); the engine shutdown then spools what is left, so nothing is lost.
+    Returns ("done" | "lost" | "gone" | "signal", keys to generate again).
     """
-    now = time.monotonic()
-    deadline, last_progress = now + timeout_s, now
-    open_keys = set(submitted)
-    while True:
-        before = len(open_keys)
-        open_keys -= journal.poll()
-        open_keys = {k for k in open_keys if not in_spool(k)}
+    from distill.transport import Publisher
+
+    cfg = r.cfg
+    transport = r.transport.model_copy(update={"teacher_id": f"{r.base_tid}-serve{rnd}"})
+    phase = {"phase": "serve", "round": rnd, "served": 0, "lost": 0}
+    r.phases.append(phase)
+    t_phase = time.monotonic()
+    required = r.required
+    tail = JournalTail(cfg.journal)
+    tail.poll()
+    committed0 = len(tail.committed & required)
+    pub = Publisher(transport, r.spool, journal=cfg.journal, auto_end=False)
+    try:
+        pub.start()
+    except Exception as e:
+        raise ServeFailed(f"cannot start the serve Publisher on {transport.bind}: {e}") from e
+    lost: set[str] = set()
+    outcome = "gone"
+    grace = max(5.0, 2 * transport.heartbeat_timeout_s)
+    try:
+        pub.close_input()
         now = time.monotonic()
-        if len(open_keys) < before:
-            last_progress = now
-        if not open_keys or now > deadline or now - last_progress > idle_s or stop.requested:
-            if open_keys:
-                log.warning("%d samples not yet acked or spooled; the shutdown spools them", len(open_keys))
-            return sorted(open_keys)
-        time.sleep(0.2)
+        last_progress = now
+        last_print = now - cfg.progress_every_s  # a first line at once
+        last_rate = (now, committed0)
+        last_marks = None
+        idle_missing_since = None
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            if stop.requested:
+                outcome = "signal"
+                break
+            tail.poll()
+            committed = tail.committed & required
+            left = len(required) - len(committed)
+            st = pub.stats()
+            students = int(st.get("students", 0))
+            r.students_max = max(r.students_max, students)
+            for k in pub.take_lost():
+                r.lost += 1
+                phase["lost"] += 1
+                if k in required and k not in committed:
+                    lost.add(k)
+            lost -= committed
+            marks = (len(committed), st.get("acked", 0), st.get("sent", 0), st.get("committed", 0), students)
+            if marks != last_marks:
+                if last_marks is None or marks[:4] != last_marks[:4] or students > last_marks[4]:
+                    last_progress = now
+                last_marks = marks
+            if now - last_print >= cfg.progress_every_s:
+                t_prev, c_prev = last_rate
+                rate = (len(committed) - c_prev) / max(now - t_prev, 1e-9)
+                last_rate = (now, len(committed))
+                last_print = now
+                waiting = f", no progress for {now - last_progress:.0f}s" if now - last_progress > 10 else ""
+                print(
+                    f"distill-teacher: serving: committed {len(committed)}/{len(required)}, "
+                    f"in spool {len(list_spool(r.spool_dir))}, in flight {st.get('inflight', 0)}, "
+                    f"students {students}, {rate:.1f} samples/s{waiting}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if left == 0:
+                outcome = "done"
+                break
+            idle = not (st.get("pending", 0) or st.get("inflight", 0) or st.get("spool_files", 0))
+            if lost and idle:
+                outcome = "lost"
+                break
+            if idle and not st.get("uncommitted", 0) and not lost:
+                names = r.spooled_names()
+                missing = {k for k in required - committed if spool_name(k) not in names}
+                if missing:
+                    idle_missing_since = idle_missing_since or now
+                    if now - idle_missing_since > grace:
+                        log.warning(
+                            "%d samples are neither committed nor spooled nor held by a student; "
+                            "generating them again",
+                            len(missing),
+                        )
+                        lost |= missing
+                        outcome = "lost"
+                        break
+                else:
+                    idle_missing_since = None
+            else:
+                idle_missing_since = None
+            if cfg.student_wait_s and now - last_progress > cfg.student_wait_s:
+                outcome = "gone"
+                break
+        if outcome == "done":
+            pub.end()  # END goes out once nothing is waiting or in flight
+            end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)
+            if pub.wait_done(timeout=end_wait):
+                time.sleep(0.5)  # let END reach the students
+            else:
+                st = pub.stats()
+                log.warning(
+                    "every sample is committed, but END was not sent within %.0fs (%d spool files of "
+                    "keys outside this dataset still wait, %d in flight): students may wait for a "
+                    "teacher until their transport.teacher_wait_s",
+                    end_wait,
+                    st.get("spool_files", 0) + st.get("pending", 0),
+                    st.get("inflight", 0),
+                )
+    except KeyboardInterrupt:
+        outcome = "signal"
+        raise
+    finally:
+        pub.close()
+        tail.poll()
+        phase["served"] = len(tail.committed & required) - committed0
+        phase["seconds"] = round(time.monotonic() - t_phase, 3)
+        phase["outcome"] = outcome
+    return outcome, lost
 
 
-def _spool_mb(d: Path) -> float:
-    return sum(p.stat().st_size for p in list_spool(d) if p.exists()) / 1e6
+def _spool_bytes(d: Path) -> int:
+    total = 0
+    for p in list_spool(d):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def _model_json(model: str) -> dict:
-    import json
-
     cfg = json.loads((Path(model) / "config.json").read_text())
     return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
@@ -361,19 +795,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = shlex.join(
+        [
+            "distill-teacher",
+            "--config",
+            args.config,
+            *itertools.chain.from_iterable(("--set", s) for s in args.set),
+        ]
+    )
     try:
         overrides = dict(parse_override(s) for s in args.set)
         runfile = load_run_file(args.config, overrides)
         cfg = load_teacher_config(runfile.teacher)
-        num_rows = preflight(cfg)
+        keys = preflight(cfg)
+        check_journal_free(cfg.journal)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     try:
-        return run(cfg, runfile.transport, runfile.spool, num_rows)
+        return run(cfg, runfile.transport, runfile.spool, keys, command)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes: keep the entry point guarded

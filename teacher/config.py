@@ -133,15 +133,28 @@ class TeacherConfig(Strict):
 
     # Requests submitted to vLLM at once; memory stays flat whatever the dataset size.
     window: int = Field(64, gt=0)
-    # Append-only file of sample keys acknowledged by students: a restarted teacher skips them
-    # (and skips keys already in the spool folder).
-    journal: str | None = "runs/journal.txt"
-    # After the last sample: wait at most this long for students to ack everything (or for the
-    # Publisher to spool it) before shutting down; what is left is spooled by the shutdown.
-    drain_timeout_s: float = Field(600.0, ge=0)
-    # ... and stop waiting earlier when no sample got acked or spooled for this long (no student
-    # is consuming); the shutdown spools the rest, so nothing is lost either way.
-    idle_timeout_s: float = Field(60.0, ge=0)
+    # Append-only journal of sample keys COMMITTED by students (trained and, with checkpointing,
+    # covered by a checkpoint) plus `!lost<TAB>key` records; a restarted teacher skips committed
+    # keys. Required: it is how this process learns what the students finished.
+    journal: str = "runs/journal.txt"
+    # At engine shutdown (generation done): wait at most this long for students to ack the samples
+    # they hold before the rest is spooled (the serve phase replays the spool). The one drain
+    # setting: the connector gets the same value.
+    drain_timeout_s: float = Field(5.0, ge=0)
+    # Deprecated, ignored (the serve phase replaced the idle wait; see student_wait_s).
+    idle_timeout_s: float | None = Field(None, ge=0)
+    # What to do once everything is generated: serve (keep serving the spool until every sample is
+    # committed, then send END) or exit (generate now, train offline later: everything not yet
+    # committed is in the spool; exit 0).
+    after_generation: Literal["serve", "exit"] = "serve"
+    # Serve phase: give up (exit 3, everything left stays in the spool) when for this long no
+    # student made progress: none connected, or connected ones committed/acked nothing and took no
+    # sample. 0 = wait forever.
+    student_wait_s: float = Field(600.0, ge=0)
+    # Serve phase: a progress line on stderr this often.
+    progress_every_s: float = Field(5.0, gt=0)
+    # Where the run's summary JSON goes; None: `<journal>.summary.json`.
+    summary_path: str | None = None
     # Connector settings that the run file's transport/spool sections do not cover.
     connector_mode: Literal["stream", "spool"] = "stream"
     queue_samples: int = Field(64, gt=0)

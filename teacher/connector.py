@@ -32,7 +32,10 @@ Worker side (each worker process; only tensor-parallel rank 0 sends)
         students: `Publisher.submit` spools when memory is full or no student is connected.
     get_finished_count()  1: only rank 0 reports, the other ranks would otherwise block the free.
     shutdown()  at engine shutdown: drains the sender thread, closes the Publisher's input, waits
-        up to `drain_timeout_s` for acks, then closes it (anything unacked is spooled, never lost).
+        up to `drain_timeout_s` for students to ack what they hold, then closes it (anything
+        unacked is spooled, never lost). This Publisher never sends END (auto_end=False):
+        distill-teacher's serve phase replays the spool and ends the run once every sample is
+        committed.
 
 `kv_transfer_params` returned per request::
 
@@ -59,6 +62,7 @@ import fcntl
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -259,7 +263,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self.cfg.mode == "stream":
             from distill.transport import Publisher
 
-            self._publisher = Publisher(self.cfg.transport, self.cfg.spool, journal=self.cfg.journal)
+            # auto_end=False: the engine does not know whether the run is complete; distill-teacher
+            # (or, for `vllm serve`, nobody: a server never ends) decides.
+            self._publisher = Publisher(
+                self.cfg.transport, self.cfg.spool, journal=self.cfg.journal, auto_end=False
+            )
             self._publisher.start()
             logger.info("Distill publisher bound to %s", ", ".join(self.cfg.transport.bind))
         self._queue = queue.Queue(maxsize=self.cfg.queue_samples)
@@ -418,14 +426,16 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._publisher is not None:
             pub = self._publisher
             pub.close_input()
-            # With no student connected nothing can be acked: spool at once (vLLM kills a slow
-            # shutdown after a few seconds).
-            has_students = pub.stats().get("students", 0) > 0
-            if has_students and not pub.wait_done(timeout=self.cfg.drain_timeout_s):
-                logger.info(
-                    "distill: students did not ack everything in %.1fs; spooling the rest",
-                    self.cfg.drain_timeout_s,
-                )
+            # Students holding samples get up to drain_timeout_s to ack them; everything else
+            # (waiting, in flight, unacked) is spooled by close() at once. This Publisher never
+            # sends END (auto_end=False): distill-teacher's serve phase replays the spool and
+            # decides when the run is complete. vLLM kills a slow shutdown: keep this short.
+            deadline = time.monotonic() + self.cfg.drain_timeout_s
+            while time.monotonic() < deadline:
+                st = pub.stats()
+                if not st.get("students") or not (st.get("inflight", 0) or st.get("pending", 0)):
+                    break
+                time.sleep(0.05)
             pub.close()
             # The Publisher's own spool files (written at close) get a lock file beside them so
             # vLLM's load_hidden_states reads them as well.

@@ -108,6 +108,11 @@ def iter_rows(cfg: TeacherConfig) -> Iterator[tuple[str, dict[str, Any]]]:
             key = str(row[cfg.key_field])
         else:
             key = f"row-{i}"
+        if not key or "\n" in key or "\r" in key or "\t" in key or key.startswith("!"):
+            raise ConfigError(
+                f"teacher.dataset: row {i} has key {key!r}: sample keys may not be empty, contain a "
+                "newline or a tab, or start with '!' (the journal holds one key per line)"
+            )
         if key in seen:
             raise ConfigError(
                 f"teacher.dataset: key {key!r} appears twice (row {i}); sample keys must be unique"
@@ -122,13 +127,14 @@ def iter_rows(cfg: TeacherConfig) -> Iterator[tuple[str, dict[str, Any]]]:
         yield key, row
 
 
-def check_dataset(cfg: TeacherConfig) -> int:
-    """Read the dataset through once (rows only, no tokenizing) so that a bad row, a duplicate key
-    or an unreadable file fails before vLLM starts. Returns the number of rows used."""
-    n = sum(1 for _ in iter_rows(cfg))
-    if n == 0:
+def check_dataset(cfg: TeacherConfig) -> list[str]:
+    """Read the dataset through once (rows only, no tokenizing) so that a bad row, a bad or
+    duplicate key or an unreadable file fails before vLLM starts. Returns the keys of the rows
+    used, in order (what the run must deliver)."""
+    keys = [k for k, _ in iter_rows(cfg)]
+    if not keys:
         raise ConfigError(f"teacher.dataset: {cfg.dataset!r} has no rows")
-    return n
+    return keys
 
 
 class Prompter:

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from distill.config import ConfigError
+from distill.config import ConfigError, TransportConfig
 from distill.spool import list_spool, read_spool_file, spool_name
 from distill.tiny import build_tiny_model, write_tiny_dataset
+from distill.transport import Subscriber
 from teacher.cli import main
 from teacher.config import ConnectorConfig
 
@@ -73,9 +74,15 @@ def _run(config: Path, *sets: str, timeout: float = 300) -> subprocess.Completed
 # ---------------------------------------------------------------------------------------------
 
 
+def _summary(config: Path) -> dict:
+    journal = yaml.safe_load(config.read_text())["teacher"]["journal"]
+    return json.loads(Path(f"{journal}.summary.json").read_text())
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_no_student_spools_every_sample_and_resume_skips_done(assets, tmp_path):
+    """after_generation: exit (generate now, train offline later): every sample lands in the spool."""
     pytest.importorskip("vllm")
     from transformers import AutoTokenizer
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -84,17 +91,15 @@ def test_no_student_spools_every_sample_and_resume_skips_done(assets, tmp_path):
 
     _, model, data = assets
     rows = [json.loads(x) for x in data.read_text().splitlines()]
-    cfg = _config(tmp_path, model, data)
+    cfg = _config(tmp_path, model, data, after_generation="exit")
     spool = tmp_path / "spool"
 
     r = _run(cfg, "teacher.max_samples=4")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "spooled 4" in r.stderr
-    # The closing line's shape is parsed by scripts/e2e.py.
-    summary = re.search(
-        r"distill-teacher: (\d+) samples, (\d+) tokens, ([\d.]+) GB in ([\d.]+)s.*spooled (\d+)", r.stderr
-    )
-    assert summary and summary.group(1) == "4" and summary.group(5) == "4"
+    s = _summary(cfg)
+    assert (s["exit_code"], s["samples"], s["spooled"], s["committed"], s["total"]) == (0, 4, 4, 0, 4)
+    assert s["tokens"] > 0 and [p["phase"] for p in s["phases"]] == ["generate"]
+    assert "spooled 4" in r.stderr  # the human line
     files = list_spool(spool)
     assert len(files) == 4
     tok = AutoTokenizer.from_pretrained(model)
@@ -108,22 +113,119 @@ def test_no_student_spools_every_sample_and_resume_skips_done(assets, tmp_path):
         assert s.key == row["id"] and s.layers == [1, 2, 4]
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files}
 
-    # A student acked row 4 in the meantime (journal), rows 0-3 are in the spool: only row 5 runs.
+    # A student committed row 4 in the meantime (journal), rows 0-3 are in the spool: only row 5 runs.
     (tmp_path / "journal.txt").write_text(rows[4]["id"] + "\n")
     r = _run(cfg, "teacher.max_samples=6")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "1 samples" in r.stderr and "already done 5" in r.stderr
+    s = _summary(cfg)
+    assert (s["samples"], s["committed_at_start"], s["spooled"], s["total"]) == (1, 1, 5, 6)
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in list_spool(spool)}
     assert set(after) == set(before) | {spool_name(rows[5]["id"])}
     assert all(after[n] == before[n] for n in before)  # nothing re-sent
     assert not (spool / spool_name(rows[4]["id"])).exists()
     assert not [p for p in spool.iterdir() if p.name.endswith(".tmp")]
 
-    # Everything done: exits at once, without starting vLLM.
+    # Everything generated: exits at once, without starting vLLM.
     t = time.monotonic()
     r = _run(cfg, "teacher.max_samples=6")
-    assert r.returncode == 0 and "nothing to do" in r.stderr
+    assert r.returncode == 0 and "wait in the spool" in r.stderr, r.stderr[-3000:]
     assert "EngineCore" not in r.stderr and time.monotonic() - t < 30
+    assert _summary(cfg)["samples"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Serve phase without vLLM: every key already in the spool (a restarted teacher).
+# ---------------------------------------------------------------------------------------------
+
+
+def _spool_rows(spool: Path, keys: list[str]) -> None:
+    """Spool files as the engine phase leaves them (synthetic tensors: the serve phase only replays)."""
+    import torch
+
+    from distill.protocol import Sample
+    from distill.spool import write_sample
+
+    for i, k in enumerate(keys):
+        t = 3 + i % 4
+        hs = torch.full((t, 3, 128), float(i))
+        write_sample(
+            spool,
+            Sample(key=k, tensors={"hidden_states": hs, "token_ids": torch.arange(t)}, layers=[1, 2, 4]),
+        )
+
+
+class _Student(threading.Thread):
+    """A Subscriber in the test process: acks (= commits) every sample, records keys and END."""
+
+    def __init__(self, endpoint: str, **cfg):
+        super().__init__(daemon=True)
+        self.cfg = TransportConfig(connect=[endpoint], shm="off", **cfg)
+        self.keys: list[str] = []
+        self.finished = False
+        self.error: BaseException | None = None
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with Subscriber(self.cfg) as sub:
+                while not self.halt.is_set():
+                    s = sub.get(timeout=0.2)
+                    if s is None:
+                        if sub.finished:
+                            break
+                        continue
+                    self.keys.append(s.key)
+                    sub.ack(s)
+                self.finished = sub.finished
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+
+def test_restart_with_every_key_spooled_serves_the_spool_and_exits_0(assets, tmp_path):
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 6, seed=3)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    _spool_rows(tmp_path / "spool", keys)
+    cfg = _config(tmp_path, model, data, student_wait_s=120, progress_every_s=1)
+    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+    student = _Student(ep)
+    student.start()
+    try:
+        r = _run(cfg, timeout=180)
+        student.join(timeout=30)  # END ends it
+    finally:
+        student.halt.set()
+        student.join(timeout=10)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "EngineCore" not in r.stderr  # nothing to generate: vLLM never started
+    assert student.error is None and student.finished, "the student got END"
+    assert sorted(student.keys) == sorted(keys)
+    assert set((tmp_path / "journal.txt").read_text().split()) == set(keys)
+    assert list_spool(tmp_path / "spool") == []
+    s = _summary(cfg)
+    assert (s["exit_code"], s["committed"], s["total"], s["samples"], s["spooled"]) == (0, 6, 6, 0, 0)
+    assert [p["phase"] for p in s["phases"]] == ["serve"] and s["phases"][0]["served"] == 6
+    assert "distill-teacher: serving: committed" in r.stderr  # progress lines
+
+
+def test_students_never_come_exit_3_with_the_spool_intact(assets, tmp_path):
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 3, seed=5)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    _spool_rows(tmp_path / "spool", keys)
+    before = sorted(p.name for p in list_spool(tmp_path / "spool"))
+    cfg = _config(tmp_path, model, data, student_wait_s=3, progress_every_s=1)
+    t = time.monotonic()
+    r = _run(cfg, timeout=120)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert time.monotonic() - t < 60
+    line = [x for x in r.stderr.splitlines() if "no student progress" in x]
+    assert len(line) == 1, r.stderr[-3000:]
+    assert "3 of 3 samples not trained (3 in the spool" in line[0] and str(tmp_path / "spool") in line[0]
+    assert f"distill-teacher --config {cfg}" in line[0]
+    assert sorted(p.name for p in list_spool(tmp_path / "spool")) == before
+    s = _summary(cfg)
+    assert (s["exit_code"], s["spooled"], s["committed"], s["reason"]) == (3, 3, 0, "students gone")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def test_jsonl_text_keys_and_limit(model, tmp_path):
     cfg = _cfg(model, ds, max_samples=4)
     rows = list(iter_rows(cfg))
     assert [k for k, _ in rows] == [f"row-{i:05d}" for i in range(4)]
-    assert check_dataset(cfg) == 4
+    assert len(check_dataset(cfg)) == 4
     p = Prompter(cfg)
     assert p.token_ids(rows[0][1]) == p.tok(rows[0][1]["text"])["input_ids"]
     # No key column: the row number.
@@ -84,6 +84,16 @@ def test_bad_rows_fail_with_the_row(model, tmp_path):
     with pytest.raises(ConfigError, match="not a readable Parquet file"):
         (tmp_path / "x.parquet").write_text("nope")
         check_dataset(_cfg(model, tmp_path / "x.parquet"))
+
+
+@pytest.mark.parametrize("key", ["a\tb", "a\nb", "!lost", ""])
+def test_keys_the_journal_cannot_hold_are_rejected(model, tmp_path, key):
+    ds = tmp_path / "k.jsonl"
+    ds.write_text(json.dumps({"id": "ok", "text": "x"}) + "\n" + json.dumps({"id": key, "text": "y"}) + "\n")
+    with pytest.raises(
+        ConfigError, match=r"teacher.dataset: row 1 has key .*may not be empty, contain a newline"
+    ):
+        check_dataset(_cfg(model, ds))
 
 
 def test_pre_tokenized_rows_need_no_tokenizer(tmp_path):
