@@ -157,11 +157,16 @@ def agree(proposals: Sequence[Sequence[int]], taken: Sequence[Collection[int]] =
     return out
 
 
-def idle_wait_s(idle_flush_s: float, anyone_had_data: bool) -> float:
-    """How long a rank waits for samples in this iteration: `idle_flush_s` only when no rank had data
-    in the previous one; otherwise 0 (take what has arrived and go: an idle rank must not slow the
-    ranks that have a backlog to one batch per idle_flush_s)."""
-    return 0.0 if anyone_had_data else idle_flush_s
+def idle_wait_s(idle_flush_s: float, anyone_backlogged: bool) -> float:
+    """How long a rank may wait for samples in this iteration.
+
+    0 when some rank had a backlog in the previous iteration (a full micro-batch, or as many samples
+    as its credit allows): take what has arrived and go, so that an idle rank never slows a rank
+    with a backlog to one batch per idle_flush_s. Otherwise (samples trickle in, or none come)
+    `idle_flush_s`: waiting costs nobody anything then, and batches fill instead of degrading to
+    one-sample steps.
+    """
+    return 0.0 if anyone_backlogged else idle_flush_s
 
 
 def empty_batch(layer_ids: list[int], hidden_size: int) -> Batch:
@@ -187,6 +192,7 @@ class TokenBudgetBatcher:
         self.max_samples = max_samples
         self.pending: list[Sample] = []  # samples of the batch being filled, in arrival order
         self._longest = 0  # longest pending sample, in tokens
+        self.filled = False  # set by next_micro_batch: its last batch was full (a backlog)
 
     def _fits(self, n_tokens: int) -> bool:
         if not self.pending:
@@ -368,36 +374,49 @@ def transport_message(e: Exception) -> str:
     return f"transport: {e}"
 
 
-def next_micro_batch(source, batcher: TokenBudgetBatcher, idle_flush_s: float) -> list[Sample]:
+def next_micro_batch(
+    source, batcher: TokenBudgetBatcher, idle_flush_s: float, held: int = 0, credit: int | None = None
+) -> list[Sample]:
     """Fill one micro-batch from `source`; [] when nothing came within `idle_flush_s` (or at the end).
 
-    Returns as soon as the batch is full, the source is draining/exhausted, or no sample arrived
-    for `idle_flush_s` seconds (a partial batch is better than a stalled collective step).
-    With `idle_flush_s` 0 (see `idle_wait_s`) it never waits: it takes the samples that have already
-    arrived, up to a full batch, and returns them (possibly none).
+    Returns as soon as the batch is full, the source is draining/exhausted, no more can come (this
+    rank holds `held` unacked samples besides the batch, and `credit` is the most the teacher lets it
+    hold), or no sample arrived for `idle_flush_s` seconds (a partial batch is better than a stalled
+    collective step). With `idle_flush_s` 0 (see `idle_wait_s`) it never waits: it takes the
+    samples that have already arrived, up to a full batch, and returns them (possibly none).
+    `batcher.filled` says afterwards whether the batch was full (or no more could come): a backlog.
     """
+    batcher.filled = False
+
+    def capped() -> bool:
+        return credit is not None and held + len(batcher.pending) >= credit
+
+    def done(batch: list[Sample], filled: bool) -> list[Sample]:
+        batcher.filled = filled and bool(batch)
+        return batch
+
     if idle_flush_s <= 0:
-        while not batcher.full:
+        while not batcher.full and not capped():
             s = source.get(timeout=0.0)
             if s is None:
-                break
+                return done(batcher.flush(), False)
             ready = batcher.push(s)
             if ready:
-                return ready
-        return batcher.flush()
+                return done(ready, True)
+        return done(batcher.flush(), True)
     last = time.monotonic()
     while True:
-        if batcher.full:
-            return batcher.flush()
+        if batcher.full or capped():
+            return done(batcher.flush(), True)
         wait = idle_flush_s - (time.monotonic() - last)
         if wait <= 0:
-            return batcher.flush()
+            return done(batcher.flush(), False)
         s = source.get(timeout=min(wait, 0.05) if source.draining else min(wait, 0.2))
         if s is None:
             if source.exhausted or (source.draining and batcher.pending):
-                return batcher.flush()
+                return done(batcher.flush(), False)
             continue
         last = time.monotonic()
         ready = batcher.push(s)
         if ready:
-            return ready
+            return done(ready, True)

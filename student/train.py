@@ -208,7 +208,9 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     )
     stop = cfg.max_steps is not None and step >= cfg.max_steps
     error, gone = "", None
-    anyone_had_data = False  # in the previous iteration: decides whether a rank may wait for samples
+    anyone_backlogged = False  # in the previous iteration: decides whether a rank may wait for samples
+    # The most unacked samples the teachers let this rank hold (a micro-batch cannot grow beyond it).
+    credit = run.transport.credit_samples * len(run.transport.connect) if cfg.mode == "stream" else None
     last_ckpt = step
     counts = {"stale": 0, "duplicates": 0}
 
@@ -236,10 +238,13 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     try:
         while not stop:
             # 1. Every rank fills a micro-batch from its own source. It waits (up to idle_flush_s)
-            #    only when no rank had data last time; otherwise it goes with what has arrived.
+            #    unless some rank had a backlog last time; then it goes with what has arrived.
             samples, batch, code = [], None, 0
             try:
-                samples = next_micro_batch(source, batcher, idle_wait_s(cfg.idle_flush_s, anyone_had_data))
+                held = len(pending) + len(dup_wait)  # unacked samples outside the batch
+                samples = next_micro_batch(
+                    source, batcher, idle_wait_s(cfg.idle_flush_s, anyone_backlogged), held, credit
+                )
                 for s in samples:
                     check_sample(s, layer_ids, teacher_hidden)
                 if samples:
@@ -262,8 +267,9 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             idle_here = source.draining and not batcher.pending and not samples and micro == 0
             uncommitted = cfg.checkpoint_every > 0 and source.uncommitted > 0
 
-            # 2. Agree (collective 1): samples proposed, finished, failed, idle, uncommitted acks.
-            info = torch.tensor([len(samples), done_here, code, idle_here, uncommitted], dtype=torch.int64)
+            # 2. Agree (collective 1): samples proposed, finished, failed, idle, uncommitted acks, backlog.
+            info = [len(samples), done_here, code, idle_here, uncommitted, batcher.filled]
+            info = torch.tensor(info, dtype=torch.int64)
             info = accelerator.gather(info.to(accelerator.device)).cpu().view(world, -1)
             if int(info[:, 2].max()) > 0:
                 if int(info[:, 2].max()) == 2:
@@ -272,7 +278,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 raise StudentError(error or "another rank stopped with an error (see its message above)")
             all_done = int(info[:, 1].sum()) == world
             n_max = int(info[:, 0].max())
-            anyone_had_data = n_max > 0
+            anyone_backlogged = int(info[:, 5].sum()) > 0
 
             # 3. Agree on keys (collective 2, only when some rank has samples): each rank's key
             #    hashes and token counts; every rank computes the same decision (`agree`).

@@ -141,24 +141,36 @@ class _Backlog:
 
 
 def test_idle_wait_rule_no_crawling_tail():
-    # A rank waits only when no rank had data in the previous iteration.
-    assert idle_wait_s(0.5, anyone_had_data=False) == 0.5
-    assert idle_wait_s(0.5, anyone_had_data=True) == 0.0
+    # A rank may wait only when no rank had a backlog (a full batch) in the previous iteration.
+    assert idle_wait_s(0.5, anyone_backlogged=False) == 0.5
+    assert idle_wait_s(0.5, anyone_backlogged=True) == 0.0
     # Not waiting: it returns at once with what has arrived (a partial batch, or nothing).
     b = TokenBudgetBatcher(max_tokens=16)
     src = _Backlog([sample("a", 4)], [sample("late", 4)])
     t0 = time.monotonic()
-    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["a"]
-    assert next_micro_batch(src, b, 0.0) == []
+    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["a"] and not b.filled
+    assert next_micro_batch(src, b, 0.0) == [] and not b.filled
     assert time.monotonic() - t0 < 0.1 and src.waited == 0.0
-    # ... but never more than a full batch: the rest stays for the next micro-step.
+    # ... but never more than a full batch: the rest stays for the next micro-step. A full batch
+    # is a backlog (`filled`): the other ranks will not wait next time.
     src = _Backlog([sample(f"k{i}", 4) for i in range(6)])
-    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["k0", "k1", "k2", "k3"]
-    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["k4", "k5"]
+    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["k0", "k1", "k2", "k3"] and b.filled
+    assert [s.key for s in next_micro_batch(src, b, 0.0)] == ["k4", "k5"] and not b.filled
     # Waiting: up to idle_flush_s for a sample, then an empty batch.
     t0 = time.monotonic()
     assert next_micro_batch(_Backlog([], [sample("late", 4)]), b, 0.3) == []
     assert 0.25 < time.monotonic() - t0 < 1.0
+
+
+def test_micro_batch_stops_waiting_when_credit_is_used_up():
+    """A rank holding as many unacked samples as its credit allows gets no more: waiting for a
+    fuller batch would only stall every step by idle_flush_s (e.g. with gradient accumulation)."""
+    b = TokenBudgetBatcher(max_tokens=1000)
+    src = _Backlog([sample(f"k{i}", 4) for i in range(3)], [sample("late", 4)])
+    t0 = time.monotonic()
+    got = next_micro_batch(src, b, 5.0, held=5, credit=8)
+    assert [s.key for s in got] == ["k0", "k1", "k2"] and b.filled
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_agree_drops_trained_and_lower_rank_keys_the_same_on_every_rank():
