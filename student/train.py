@@ -404,6 +404,11 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             ):
                 logger.info("teacher draining: checkpoint at step %d to commit what was acknowledged", step)
                 checkpoint()
+            elif cfg.checkpoint_every and idle_here and step == last_ckpt:
+                # No step since the last checkpoint: it covers everything acked here, including
+                # redelivered copies of trained keys the Subscriber acked by itself (not counted in
+                # `uncommitted`). Local and cheap: nothing is sent when there is nothing to commit.
+                source.commit()
             if all_done:
                 break
         # Stopping for good (max_steps, end of stream): a checkpoint covers every trained step, so
