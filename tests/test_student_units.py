@@ -497,6 +497,32 @@ def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_re
     assert not torch.allclose(init.projections["s1_t2"].weight, ref.projections["s1_t2"].weight)
 
 
+@pytest.mark.slow
+def test_two_ranks_given_the_same_keys_train_each_once(tmp_path):
+    """Both ranks receive copies of the same keys (as after a redelivery): in the same micro-step
+    the lower rank trains it, in a later one nobody does. Spool files named f00..f09 go to the ranks
+    alternately (rank r takes files r, r+2, ...), one sample per micro-batch, so the schedule is
+    known: micro-step m has rank 0's file 2m and rank 1's file 2m+1."""
+    keys = ["k0", "k0", "k1", "k2", "k3", "k1", "k2", "k4", "k5", "k6"]  # file i holds keys[i]
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    for i, k in enumerate(keys):
+        written = write_sample(tmp_path / "w" / str(i), sample(k, 6, layers=(2, 4), seed=i))
+        written.rename(spool / f"f{i:02d}.safetensors")
+    student = {**TINY_STUDENT, "mode": "spool", "spool_dir": str(spool), "max_samples_per_batch": 1}
+    proc = run_student(tmp_path, student, nproc=2, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    by_rank: dict[int, list[str]] = {}
+    for key, rank, _ in m["trained"]:
+        by_rank.setdefault(rank, []).append(key)
+    # m0: k0/k0 -> rank 0; m1: k1, k2; m2: k3, k1 (trained) ; m3: k2 (trained), k4; m4: k5, k6.
+    assert by_rank == {0: ["k0", "k1", "k3", "k5"], 1: ["k2", "k4", "k6"]}, m["trained"]
+    dropped = [st["dropped_duplicates"] for st in m["summary"]["source_stats"]]
+    assert dropped == [1, 2]
+    assert sum(st["samples"] for st in m["steps"]) == 7
+
+
 def _vllm_style_spool(folder: Path, n: int) -> list[str]:
     """Files as vLLM's ExampleHiddenStatesConnector writes them: nested, no metadata, a .lock beside."""
     from safetensors.torch import save_file
