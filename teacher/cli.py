@@ -366,11 +366,17 @@ def run(
                 if not r.phases:
                     print(
                         f"distill-teacher: nothing to do: all {st['total']} samples are committed "
-                        f"in {cfg.journal}",
+                        f"in {cfg.journal}"
+                        + (
+                            "" if cfg.after_generation == "exit" else "; telling students the run is complete"
+                        ),
                         file=sys.stderr,
                     )
-                r.reason = "done"
-                return r.finish(EXIT_OK)
+                if cfg.after_generation == "exit":
+                    r.reason = "done"
+                    return r.finish(EXIT_OK)
+                # Students of the engine phase (or of an earlier run) wait for END: the serve phase
+                # sends it to every student that (re)connects within a short linger.
             if cfg.after_generation == "exit":
                 r.reason = "after_generation=exit"
                 if st["missing"]:
@@ -740,7 +746,12 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
             pub.end()  # END goes out once nothing is waiting or in flight
             end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)
             if pub.wait_done(timeout=end_wait):
-                time.sleep(0.5)  # let END reach the students
+                # Students of the engine's Publisher (closed moments ago) reconnect within a few
+                # heartbeats (RESET -> HELLO); each gets END on arrival. Then END must reach them.
+                linger = max(3.0, 4 * transport.heartbeat_interval_s)
+                t_end = time.monotonic()
+                while time.monotonic() - t_end < linger and not stop.requested:
+                    time.sleep(0.1)
             else:
                 st = pub.stats()
                 log.warning(

@@ -370,3 +370,81 @@ def test_shipped_configs_validate_and_name_their_command(path):
     assert first.startswith("# ") and "distill-teacher --config configs/" + path.name in first
     cfg = load_teacher_config(load_run_file(path).teacher)
     assert cfg.layer_ids and not cfg.enable_chunked_prefill
+
+
+# ---------------------------------------------------------------------------------------------
+# With vLLM: the engine core killed mid-run -> exit 1 with what is missing, no END, no hang.
+# ---------------------------------------------------------------------------------------------
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _engine_core(pid: int):
+    import psutil
+
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_engine_killed_mid_run_exits_1_and_never_sends_end(assets, tmp_path):
+    pytest.importorskip("vllm")
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 64, seed=13)
+    cfg = _config(tmp_path, model, data, window=1, student_wait_s=60)
+    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+    journal = tmp_path / "journal.txt"
+    student = _Student(ep)
+    student.start()
+    teacher = subprocess.Popen(
+        [*CLI, "--config", str(cfg), "--set", "transport.connect_timeout_s=120"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and teacher.poll() is None:
+            if journal.exists() and len(journal.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        core = _engine_core(teacher.pid)
+        assert core is not None, "no EngineCore process under distill-teacher"
+        core.kill()
+        t_kill = time.monotonic()
+        out, _ = teacher.communicate(timeout=120)  # bounded: the teacher must not hang
+        took = time.monotonic() - t_kill
+    finally:
+        _kill_tree(teacher.pid)
+        time.sleep(1.0)  # an END would have arrived by now
+        student.halt.set()
+        student.join(timeout=10)
+    assert teacher.returncode == 1, out[-3000:]
+    assert took < 90, took
+    line = [x for x in out.splitlines() if "the vLLM engine died" in x]
+    assert len(line) == 1 and "samples not committed" in line[0] and "no END was sent" in line[0], out[-3000:]
+    assert not student.finished, "a teacher whose engine died must not send END"
+    s = _summary(cfg)
+    assert s["exit_code"] == 1 and s["reason"].startswith("engine died")
+    assert 3 <= s["committed"] < 64 and s["not_committed"] == 64 - s["committed"]
