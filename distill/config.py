@@ -33,6 +33,17 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class CurveConfig(Strict):
+    """ZeroMQ CURVE: every connection authenticated and encrypted. Keys: `distill-keygen`."""
+
+    # This side's key pair: the `<name>.key_secret` file distill-keygen writes.
+    secret_key: str
+    # Students: the teacher's public key file (`<teacher>.key`).
+    server_key: str | None = None
+    # Teacher: folder of the public key files (`*.key`) of the students it accepts; others get nothing.
+    authorized_keys: str | None = None
+
+
 class TransportConfig(Strict):
     """How samples travel from teacher to students (ZeroMQ + optional shared memory)."""
 
@@ -73,6 +84,15 @@ class TransportConfig(Strict):
     dedup_keys: int = Field(1_000_000, gt=0)
     # Send/receive kernel buffer sizes for tcp (0 = OS default).
     socket_buffer_bytes: int = Field(4 * MiB, ge=0)
+    # Run identity carried in HELLO/WELCOME. Teacher: this id, else the one stored beside its journal
+    # (`<journal>.run`, made at the first start), else one per process. Student: refuse a teacher of
+    # another run; unset, it learns the id from the first teacher that welcomes it and refuses others
+    # (students left over from an earlier run never take the next run's samples).
+    run_id: str | None = None
+    # Optional CURVE authentication and encryption (both sides must set it).
+    curve: CurveConfig | None = None
+    # Students: the largest ZeroMQ frame accepted (a tensor); larger messages are dropped by ZeroMQ.
+    max_frame_bytes: int = Field(16 * GiB, gt=0)
 
     @field_validator("bind", "connect")
     @classmethod

@@ -72,8 +72,13 @@ MAX_KEYS_PER_MESSAGE = 4096  # COMMIT / ACKED carry keys in chunks (a header sta
 # (bool is not an int); `list[int]` / `list[str]` check every item. Unknown fields are dropped.
 _OPT = False
 CONTROL_FIELDS: dict[int, dict[str, tuple[str, bool]]] = {
-    HELLO: {"name": ("str", True), "credit_samples": ("int", True), "credit_bytes": ("int", True)},
-    WELCOME: {"tid": ("str", True), "shm": ("shm_ref", _OPT)},
+    HELLO: {
+        "name": ("str", True),
+        "credit_samples": ("int", True),
+        "credit_bytes": ("int", True),
+        "run": ("str", _OPT),
+    },
+    WELCOME: {"tid": ("str", True), "shm": ("shm_ref", _OPT), "run": ("str", _OPT)},
     CREDIT: {"shm_ok": ("bool", True)},
     ACK: {"tid": ("str", True), "seqs": ("list[int]", True), "commit": ("bool", _OPT)},
     COMMIT: {"keys": ("list[str]", True)},

@@ -129,6 +129,8 @@ class Publisher:
         self._sock: zmq.Socket | None = None
         self._ring: ShmRing | None = None
         self._journal: Journal | None = None
+        self._auth = None  # zmq.auth ThreadAuthenticator (CURVE)
+        self.run_id = cfg.run_id  # resolved in start()
         # I/O-thread state
         self._pending: collections.deque[_Entry] = collections.deque()  # waiting for a student
         self._replay: collections.deque[tuple[Path, int]] = collections.deque()  # spool files to load
@@ -146,8 +148,17 @@ class Publisher:
                 self._journal = Journal(self.journal_path).open(self.journal_lock_wait_s)
             except JournalBusy as e:
                 raise TransportError(str(e)) from None
+        # No configured id and no journal: no run identity (a restart could not keep it anyway).
+        self.run_id = self.cfg.run_id or _stored_run_id(self.journal_path)
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
+        if self.cfg.curve is not None:
+            try:
+                self._auth = curve_server(ctx, sock, self.cfg.curve)
+            except (OSError, ValueError) as e:
+                sock.close(0)
+                self._close_journal()
+                raise TransportError(f"transport.curve: {e}") from None
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what we queue; never drop
@@ -383,6 +394,9 @@ class Publisher:
             self._ring.close()
         self._close_journal()
         self._sock.close(linger=int(linger_s * 1000))
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._wake.close()
 
     def _close_journal(self) -> None:
@@ -417,6 +431,7 @@ class Publisher:
         s["pending"] = len(self._pending) + len(self._inbox)
         s["spool_files"] = len(self._replay) + len(self._spooled_paths)
         s["teacher_id"] = self.tid
+        s["run_id"] = self.run_id
         return s
 
     @staticmethod
@@ -546,6 +561,13 @@ class Publisher:
             cs, cb = h["credit_samples"], h["credit_bytes"]
             if cs <= 0 or cb <= 0:
                 raise ProtocolError("field", "HELLO needs positive credit_samples and credit_bytes")
+            if h["run"] is not None and self.run_id is not None and h["run"] != self.run_id:
+                self._counters["refused"] += 1
+                self._refuse(
+                    ident, f"this teacher serves run {self.run_id!r}, the student belongs to run {h['run']!r}"
+                )
+                log.warning("refused student %s of run %r (this run: %r)", h["name"], h["run"], self.run_id)
+                return
             if st is not None:  # reconnect of a known student: its in-flight samples are redelivered
                 self._drop_student(ident, "re-hello", lose=False)
             st = _Student(ident, h["name"], cs, cb)
@@ -553,7 +575,7 @@ class Publisher:
             self._nstudents = len(self._students)
             self._last_student_seen = time.monotonic()
             shm = [str(self._ring.path), self._ring.nonce] if self._ring is not None else None
-            self._send(ident, [P.encode_control(P.WELCOME, tid=self.tid, shm=shm)])
+            self._send(ident, [P.encode_control(P.WELCOME, tid=self.tid, shm=shm, run=self.run_id)])
             log.info("student %s connected (%d now)", st.name, self._nstudents)
         elif kind == P.COMMIT:
             # Accepted from any peer: a student whose session we dropped (frozen, declared gone)
@@ -795,3 +817,41 @@ class Publisher:
             if not st.end_sent:
                 st.end_sent = self._send(ident, [P.encode_control(P.END, tid=self.tid)])
         self._done.set()
+
+
+def _stored_run_id(journal: Path | None) -> str | None:
+    """The run id kept beside a journal (`<journal>.run`), made at the first start."""
+    if journal is None:
+        return None
+    p = journal.with_name(journal.name + ".run")
+    if p.exists():
+        rid = p.read_text().strip()
+        if rid:
+            return rid
+    rid = f"run-{secrets.token_hex(6)}"
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(rid + "\n")
+    os.replace(tmp, p)
+    return rid
+
+
+def curve_server(ctx: zmq.Context, sock: zmq.Socket, curve):
+    """Make `sock` a CURVE server that accepts only the students whose public keys are in
+    `curve.authorized_keys`. Returns the running authenticator (stop it on close)."""
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    if not curve.authorized_keys or not Path(curve.authorized_keys).is_dir():
+        raise ValueError(
+            f"authorized_keys must be a folder of student public keys, got {curve.authorized_keys!r}"
+        )
+    public, secret = zmq.auth.load_certificate(curve.secret_key)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key!r} holds no secret key (use the .key_secret file)")
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("distill.transport.auth"))
+    auth.start()
+    auth.configure_curve(domain="*", location=str(curve.authorized_keys))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    return auth

@@ -54,6 +54,9 @@ class _Teacher:
     version_errors: int = 0  # messages in a row that carried another protocol version
     uncommitted: dict[str, None] = field(default_factory=dict)  # acked here, no checkpoint yet
     commit_out: list[str] = field(default_factory=list)  # committed, not yet told this endpoint
+    # Messages that must arrive (ACK, COMMIT, CREDIT, ACKED) and could not be sent without
+    # blocking: sent first, in order, on the next turns of the I/O loop. (kind, bytes)
+    outbox: collections.deque = field(default_factory=collections.deque)
 
 
 class Subscriber:
@@ -89,6 +92,7 @@ class Subscriber:
         self._rejected = collections.Counter()
         self._reject_log = RateLimitedLog(log)
         self._error: TransportError | None = None
+        self.run_id = cfg.run_id  # learned from the first WELCOME when not configured
         self._finished = False
         self._thread: threading.Thread | None = None
 
@@ -102,9 +106,16 @@ class Subscriber:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
             if self.cfg.socket_buffer_bytes:
                 sock.setsockopt(zmq.SNDBUF, self.cfg.socket_buffer_bytes)
                 sock.setsockopt(zmq.RCVBUF, self.cfg.socket_buffer_bytes)
+            if self.cfg.curve is not None:
+                try:
+                    curve_client(sock, self.cfg.curve)
+                except (OSError, ValueError) as e:
+                    sock.close(0)
+                    raise TransportError(f"transport.curve: {e}") from None
             try:
                 sock.connect(ep)
             except zmq.ZMQError as e:
@@ -245,17 +256,46 @@ class Subscriber:
 
     # --- I/O thread --------------------------------------------------------------------------
 
+    def _send(self, t: _Teacher, kind: int, msg: bytes) -> None:
+        """Never block the I/O thread (a peer that is not connected, e.g. a CURVE handshake that
+        fails, makes a blocking send wait forever). HELLO/HEARTBEAT/BYE are dropped when they would
+        block; the others wait in the outbox, in order."""
+        must = kind in (P.ACK, P.COMMIT, P.CREDIT, P.ACKED)
+        if must and t.outbox:
+            t.outbox.append((kind, msg))
+            return
+        try:
+            t.sock.send(msg, zmq.NOBLOCK)
+        except zmq.Again:
+            if must:
+                t.outbox.append((kind, msg))
+            else:
+                self._counters["dropped_control"] += 1
+
+    def _flush_outbox(self, t: _Teacher) -> None:
+        while t.outbox:
+            try:
+                t.sock.send(t.outbox[0][1], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            t.outbox.popleft()
+
     def _hello(self, t: _Teacher) -> None:
         t.welcomed = False
         t.hello_pending = True
         t.last_hello = time.monotonic()
-        t.sock.send(
+        # What belonged to the old session's handshake is void; ACKs and COMMITs still go out.
+        t.outbox = collections.deque(x for x in t.outbox if x[0] not in (P.CREDIT, P.ACKED))
+        self._send(
+            t,
+            P.HELLO,
             P.encode_control(
                 P.HELLO,
                 name=self.name,
                 credit_samples=self.cfg.credit_samples,
                 credit_bytes=self.cfg.credit_bytes,
-            )
+                run=self.run_id,
+            ),
         )
 
     def _run(self) -> None:
@@ -272,6 +312,8 @@ class Subscriber:
                 events = dict(poller.poll(max(0, int((next_hb - time.monotonic()) * 1000))))
                 if self._wake.r in events:
                     self._wake.drain()
+                for t in self._teachers:
+                    self._flush_outbox(t)
                 self._send_acks()
                 for t in self._teachers:
                     if t.sock in events:
@@ -285,7 +327,8 @@ class Subscriber:
             self._send_acks()
             for t in self._teachers:
                 if not t.ended:
-                    t.sock.send(P.encode_control(P.BYE, name=self.name), zmq.NOBLOCK)
+                    self._flush_outbox(t)
+                    self._send(t, P.BYE, P.encode_control(P.BYE, name=self.name))
         except Exception as e:
             log.exception("subscriber I/O thread failed")
             self._error = TransportError(f"subscriber I/O thread failed: {e!r}")
@@ -321,7 +364,7 @@ class Subscriber:
                 )
         if not t.welcomed and now - t.last_hello > self.cfg.heartbeat_timeout_s:
             self._hello(t)  # the teacher may have restarted or not be up yet
-        t.sock.send(P.encode_control(P.HEARTBEAT, name=self.name))
+        self._send(t, P.HEARTBEAT, P.encode_control(P.HEARTBEAT, name=self.name))
 
     def _send_acks(self) -> None:
         with self._lock:
@@ -353,14 +396,14 @@ class Subscriber:
 
     def _flush_acks(self, batch: dict[tuple[str, bool], list[int]]) -> None:
         for (tid, commit), seqs in batch.items():
-            self._by_tid[tid].sock.send(P.encode_control(P.ACK, tid=tid, seqs=seqs, commit=commit))
+            self._send(self._by_tid[tid], P.ACK, P.encode_control(P.ACK, tid=tid, seqs=seqs, commit=commit))
 
     def _send_commits(self, t: _Teacher) -> None:
         if not t.welcomed or not t.commit_out:
             return
         keys, t.commit_out = t.commit_out, []
         for i in range(0, len(keys), P.MAX_KEYS_PER_MESSAGE):
-            t.sock.send(P.encode_control(P.COMMIT, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
+            self._send(t, P.COMMIT, P.encode_control(P.COMMIT, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
         self._counters["committed"] += len(keys)
 
     def _recv_all(self, t: _Teacher) -> None:
@@ -421,7 +464,7 @@ class Subscriber:
                 commit = ledger or self.commit_on_ack
                 if not commit:
                     t.uncommitted[s.key] = None
-                t.sock.send(P.encode_control(P.ACK, tid=s.teacher, seqs=[s.seq], commit=commit))
+                self._send(t, P.ACK, P.encode_control(P.ACK, tid=s.teacher, seqs=[s.seq], commit=commit))
                 return
             self._q.put(s)
             return
@@ -430,6 +473,14 @@ class Subscriber:
             if not t.hello_pending:
                 raise ProtocolError("foreign", "WELCOME without a HELLO")
             t.last_seen = time.monotonic()
+            if h["run"] is not None and self.run_id is not None and h["run"] != self.run_id:
+                self._error = TransportError(
+                    f"teacher at {t.endpoint} serves run {h['run']!r}; this student belongs to run "
+                    f"{self.run_id!r} (a student of another run: start it with the run file of this run)"
+                )
+                return
+            if self.run_id is None:
+                self.run_id = h["run"]
             tid = h["tid"]
             t.tid = tid
             self._by_tid[tid] = t
@@ -444,18 +495,22 @@ class Subscriber:
             t.welcomed = t.ever_welcomed = True
             t.hello_pending = False
             t.draining = t.ended = False
-            t.sock.send(P.encode_control(P.CREDIT, shm_ok=shm_ok))
+            self._send(t, P.CREDIT, P.encode_control(P.CREDIT, shm_ok=shm_ok))
             # A new session (perhaps a restarted teacher): what this side acked and no checkpoint
             # covers yet belongs to this session now; what was committed meanwhile is told.
             keys = list(t.uncommitted)
             for i in range(0, len(keys), P.MAX_KEYS_PER_MESSAGE):
-                t.sock.send(P.encode_control(P.ACKED, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
+                self._send(t, P.ACKED, P.encode_control(P.ACKED, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
             self._send_commits(t)
             return
         if kind == P.REFUSE:
+            versions = (
+                f" (teacher protocol version {h['version']}, ours {P.PROTOCOL_VERSION})"
+                if h["version"] != P.PROTOCOL_VERSION
+                else ""
+            )
             self._error = TransportError(
-                f"teacher at {t.endpoint} refused this student: {h['reason']} (teacher protocol "
-                f"version {h['version']}, ours {P.PROTOCOL_VERSION})"
+                f"teacher at {t.endpoint} refused this student: {h['reason']}{versions}"
             )
             return
         if kind == P.RESET:
@@ -477,3 +532,18 @@ class Subscriber:
                 self._q.put(_END)
         else:
             raise ProtocolError("kind", f"teachers do not send kind {kind}")
+
+
+def curve_client(sock: zmq.Socket, curve) -> None:
+    """Make `sock` a CURVE client of the teacher whose public key is in `curve.server_key`."""
+    import zmq.auth
+
+    if not curve.server_key:
+        raise ValueError("students need curve.server_key (the teacher's public .key file)")
+    server_public, _ = zmq.auth.load_certificate(curve.server_key)
+    public, secret = zmq.auth.load_certificate(curve.secret_key)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key!r} holds no secret key (use the .key_secret file)")
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
