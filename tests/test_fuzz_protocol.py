@@ -178,9 +178,19 @@ def test_mutated_shared_memory_references_decode_or_raise_protocol_error(tmp_pat
 # ---- over real sockets: the peers' I/O threads survive a stream of mutated messages ----------
 
 
+N_LIVE = 10_000  # mutated messages per live peer
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def _no_end(h):
-    """A mutated kind may become END (a valid "stream over"): keep the stream open for the test."""
-    if isinstance(h, dict) and h.get("k") == P.END:
+    """A mutated kind may become END (a valid "stream over") or REFUSE (a valid "stop"): keep the
+    stream open for the test."""
+    if isinstance(h, dict) and h.get("k") in (P.END, P.REFUSE):
         h["k"] = P.HEARTBEAT
     return h
 
@@ -201,6 +211,9 @@ def _mutated_controls(rng: random.Random, kinds, n: int) -> list[list[bytes]]:
         P.DRAIN: {"v": P.PROTOCOL_VERSION, "k": P.DRAIN, "tid": "fuzz"},
         P.BYE: {"v": P.PROTOCOL_VERSION, "k": P.BYE, "name": "x"},
         P.RESET: {"v": P.PROTOCOL_VERSION, "k": P.RESET, "tid": "fuzz"},
+        P.COMMIT: {"v": P.PROTOCOL_VERSION, "k": P.COMMIT, "keys": ["a", "b"]},
+        P.ACKED: {"v": P.PROTOCOL_VERSION, "k": P.ACKED, "keys": ["a"]},
+        P.REFUSE: {"v": P.PROTOCOL_VERSION, "k": P.REFUSE, "tid": "fuzz", "reason": "x", "version": 99},
     }
     out = []
     for _ in range(n):
@@ -216,7 +229,7 @@ def _mutated_controls(rng: random.Random, kinds, n: int) -> list[list[bytes]]:
 
 
 def test_teacher_survives_mutated_control_messages(tmp_path):
-    """A raw socket sends 600 mutated student messages (HELLO/CREDIT/ACK/HEARTBEAT/BYE with fields of
+    """A raw socket sends 10,000 mutated student messages (HELLO/CREDIT/ACK/COMMIT/ACKED/HEARTBEAT/BYE with fields of
     every type, garbage, extra frames) to a real Publisher; a real student then gets every sample."""
     import zmq
 
@@ -230,9 +243,13 @@ def test_teacher_survives_mutated_control_messages(tmp_path):
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(ep)
-        for msg in _mutated_controls(rng, [P.HELLO, P.CREDIT, P.ACK, P.HEARTBEAT, P.BYE], 600):
+        rss0 = _rss()
+        kinds = [P.HELLO, P.CREDIT, P.ACK, P.COMMIT, P.ACKED, P.HEARTBEAT, P.BYE]
+        for msg in _mutated_controls(rng, kinds, N_LIVE):
             raw.send_multipart(msg)
-        assert _wait(lambda: pub.stats()["rejected"] >= 100), pub.stats()
+        raw.send(P.encode_control(P.HEARTBEAT, name="last"))
+        assert _wait(lambda: pub.stats()["rejected"] >= N_LIVE // 4, 60), pub.stats()
+        assert _rss() - rss0 < 64 << 20, "publisher memory grew by more than 64 MiB under fuzzing"
         raw.close()
         with Subscriber(cfg) as sub:
             for i in range(3):
@@ -248,7 +265,7 @@ def test_teacher_survives_mutated_control_messages(tmp_path):
 
 
 def test_student_survives_mutated_teacher_messages(tmp_path):
-    """A fake teacher answers a real Subscriber with 600 mutated messages (WELCOME, HEARTBEAT, DRAIN,
+    """A fake teacher answers a real Subscriber with 10,000 mutated messages (WELCOME, HEARTBEAT, DRAIN,
     RESET variants and mutated samples), then a valid WELCOME and sample: the student is still
     healthy, counts the rejects, and delivers the good sample."""
     import zmq
@@ -268,8 +285,9 @@ def test_student_survives_mutated_teacher_messages(tmp_path):
             ident, hello = router.recv_multipart()
             assert P.decode_header(hello)["k"] == P.HELLO
             router.send_multipart([ident, P.encode_control(P.WELCOME, tid="fuzz", shm=None)])
-            msgs = _mutated_controls(rng, [P.WELCOME, P.HEARTBEAT, P.DRAIN, P.RESET], 300)
-            for _ in range(300):
+            rss0 = _rss()
+            msgs = _mutated_controls(rng, [P.WELCOME, P.HEARTBEAT, P.DRAIN, P.RESET, P.REFUSE], N_LIVE // 2)
+            for _ in range(N_LIVE // 2):
                 frames = [bytes(f) for f in P.encode_sample(_sample(rng))]
                 h = _no_end(_mutate_value(rng, msgpack.unpackb(frames[0])))
                 msgs.append([msgpack.packb(h, use_bin_type=True), *frames[1:]])
@@ -285,6 +303,7 @@ def test_student_survives_mutated_teacher_messages(tmp_path):
                 assert s is not None, f"student stopped receiving after fuzzing: {sub.stats()}"
                 keys.append(s.key)
                 sub.ack(s)
-            assert sub.stats()["rejected"] >= 100 and sub._error is None, sub.stats()
+            assert sub.stats()["rejected"] >= N_LIVE // 4 and sub._error is None, sub.stats()
+            assert _rss() - rss0 < 64 << 20, "subscriber memory grew by more than 64 MiB under fuzzing"
     finally:
         router.close()
