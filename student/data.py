@@ -123,9 +123,9 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     mask = batch.mask.index_select(0, idx)
     t = int(mask.sum(1).max()) if keep else 0
     return Batch(
-        batch.input_ids.index_select(0, idx)[:, :t],
-        mask[:, :t],
-        batch.teacher.index_select(0, idx)[:, :t],
+        batch.input_ids.index_select(0, idx)[:, :t].contiguous(),
+        mask[:, :t].contiguous(),
+        batch.teacher.index_select(0, idx)[:, :t].contiguous(),
         batch.layer_ids,
         [batch.samples[i] for i in keep],
     )
