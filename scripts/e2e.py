@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -27,6 +26,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from distill.journal import Journal  # noqa: E402
+
 BIN = Path(sys.executable).parent
 TERMS = ("mse", "cosine", "nmse", "kl", "ce")  # loss terms the student records per step
 
@@ -103,7 +104,6 @@ def run_file(out: Path, teacher: Path, data: Path, port: int, n: int) -> Path:
             "max_samples": n,
             "window": 32,
             "journal": str(out / "journal.txt"),
-            "drain_timeout_s": 300,
         },
         "transport": {
             "bind": [f"tcp://127.0.0.1:{port}"],
@@ -149,22 +149,15 @@ def run_file(out: Path, teacher: Path, data: Path, port: int, n: int) -> Path:
     return p
 
 
-def teacher_summary(log: Path) -> dict:
-    """Figures from distill-teacher's closing line ("distill-teacher: N samples, T tokens, G GB in S s ...")."""
-    pat = re.compile(r"distill-teacher: (\d+) samples, (\d+) tokens, ([\d.]+) GB in ([\d.]+)s.*spooled (\d+)")
-    for line in reversed(log.read_text(errors="replace").splitlines()):
-        m = pat.search(line)
-        if m:
-            n, tok, gb, sec, spooled = m.groups()
-            return {
-                "samples": int(n),
-                "tokens": int(tok),
-                "bytes_sent": float(gb) * 1e9,
-                "seconds": float(sec),
-                "samples_per_s": int(n) / max(float(sec), 1e-9),
-                "spooled": int(spooled),
-            }
-    return {}
+def teacher_summary(journal: Path) -> dict:
+    """distill-teacher's summary JSON (`<journal>.summary.json`): samples, tokens, bytes, phases, exit code."""
+    p = journal.with_name(journal.name + ".summary.json")
+    if not p.exists():
+        return {}
+    s = json.loads(p.read_text())
+    s["samples_per_s"] = s["samples"] / s["generate_s"] if s.get("generate_s") else None
+    s["served_from_spool"] = sum(ph.get("served", 0) for ph in s.get("phases", []) if ph["phase"] == "serve")
+    return s
 
 
 def plot(metrics: dict, png: Path) -> None:
@@ -197,7 +190,15 @@ def main() -> int:
     args = ap.parse_args()
     out = (ROOT / args.out).resolve()
     if out.exists():
-        for name in ("journal.txt", "spool", "student", "run.yaml"):  # a fresh run each time
+        for name in (
+            "journal.txt",
+            "journal.txt.run",
+            "journal.txt.summary.json",
+            "spool",
+            "student",
+            "run.yaml",
+        ):
+            # a fresh run each time
             p = out / name
             if p.is_dir():
                 shutil.rmtree(p)
@@ -263,13 +264,9 @@ def main() -> int:
             time.sleep(1)
             if time.monotonic() - last > 15:
                 last = time.monotonic()
-                done = (
-                    len((out / "journal.txt").read_text().splitlines())
-                    if (out / "journal.txt").exists()
-                    else 0
-                )
+                done = len(Journal.read(out / "journal.txt").committed)
                 print(
-                    f"[main] {time.monotonic() - t0:5.0f}s  samples acknowledged by students: {done}/{args.samples}",
+                    f"[main] {time.monotonic() - t0:5.0f}s  samples committed by students: {done}/{args.samples}",
                     flush=True,
                 )
         if teacher_p.poll() is None or students.poll() is None:
@@ -285,26 +282,30 @@ def main() -> int:
         )
         return 1
     metrics = json.loads((out / "student" / "metrics.json").read_text())
-    ts = teacher_summary(out / "teacher.log")
+    ts = teacher_summary(out / "journal.txt")
     s = metrics["summary"]
-    acked = len((out / "journal.txt").read_text().splitlines())
+    acked = len(Journal.read(out / "journal.txt").committed)
     spooled = len(list((out / "spool").glob("*.safetensors"))) if (out / "spool").exists() else 0
     png = out / "loss.png"
     plot(metrics, png)
     hist = metrics["steps"]
     train_s = (hist[-1]["time"] - hist[0]["time"]) if len(hist) > 1 else None
     rows = [
-        ("samples (teacher -> students, acknowledged)", f"{acked} / {args.samples}"),
+        ("samples (teacher -> students, committed)", f"{acked} / {args.samples}"),
         ("samples trained (union of 2 ranks)", f"{s['samples']}"),
         ("tokens trained", f"{s['tokens']}"),
-        ("GB moved", f"{ts.get('bytes_sent', 0) / 1e9:.3f}" if ts else "n/a"),
+        ("GB moved", f"{ts.get('bytes', 0) / 1e9:.3f}" if ts else "n/a"),
         ("teacher samples/s", f"{ts['samples_per_s']:.1f}" if ts.get("samples_per_s") else "n/a"),
         (
             "students samples/s (training)",
             f"{sum(h['samples'] for h in hist[1:]) / train_s:.1f}" if train_s else "n/a",
         ),
         ("time students waited for the teacher (s)", f"{s['wait_s']:.1f}"),
-        ("spool files written / left", f"{ts.get('spooled', 'n/a')} / {spooled}"),
+        (
+            "samples trained from the spool replay / left in the spool",
+            f"{ts.get('served_from_spool', 'n/a')} / {spooled}",
+        ),
+        ("teacher phases", " -> ".join(ph["phase"] for ph in ts.get("phases", [])) or "n/a"),
         ("optimizer steps", f"{s['steps']}"),
         ("loss first 10% -> last 10% of steps", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),
         ("wall time (s)", f"{wall:.0f}"),

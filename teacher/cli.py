@@ -820,6 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_teacher_config(runfile.teacher)
         keys = preflight(cfg)
         check_journal_free(cfg.journal)
+        if cfg.connector_mode == "stream" or cfg.after_generation == "serve":
+            check_endpoints_free(runfile.transport)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
