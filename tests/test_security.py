@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from faults import free_port
 from waiting import wait_until
 
 from distill.config import CurveConfig, SpoolConfig, TransportConfig
@@ -17,12 +18,6 @@ from distill.protocol import Sample
 from distill.transport import Publisher, Subscriber, TransportError
 
 MARK = b"distill-secret-marker-0123456789"  # 32 bytes the sample carries in its tensor
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _marked_sample(key: str) -> Sample:
@@ -87,7 +82,7 @@ def _keys(tmp_path):
 
 
 def _transfer_through_relay(tmp_path, curve_t, curve_s) -> tuple[bytes, str]:
-    port = _free_port()
+    port = free_port()
     relay = Relay(port)
     t_cfg = TransportConfig(bind=[f"tcp://127.0.0.1:{port}"], shm="off", curve=curve_t)
     s_cfg = TransportConfig(connect=[f"tcp://127.0.0.1:{relay.port}"], shm="off", curve=curve_s)
@@ -125,7 +120,7 @@ def test_curve_encrypts_the_wire(tmp_path):
 @pytest.mark.parametrize("who", ["stranger", "plain"])
 def test_curve_student_without_an_authorised_key_gets_nothing(tmp_path, who):
     d = _keys(tmp_path)
-    port = _free_port()
+    port = free_port()
     ep = f"tcp://127.0.0.1:{port}"
     curve_t = CurveConfig(secret_key=str(d / "teacher.key_secret"), authorized_keys=str(d / "students"))
     stranger = (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from faults import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = str(ROOT / "tests" / "peers.py")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(*args: str) -> subprocess.Popen:
