@@ -90,7 +90,7 @@ def run_file(
             "connect_timeout_s": 120,
             "heartbeat_interval_s": 0.5,
             "heartbeat_timeout_s": HB,
-            "teacher_wait_s": 300,
+            "teacher_wait_s": 120,
             "shm_dir": str(tmp),
             "shm_bytes": 64 << 20,
             **(transport or {}),
@@ -395,7 +395,7 @@ def test_all_students_gone_past_timeout_then_back(procs, tmp_path, tiny_teacher,
 
 
 def test_spool_folder_full_blocks_the_producer(procs, tmp_path, tiny_teacher, texts):
-    """Extra row: spool.max_bytes=400 kB, no student for the first 20 s (connect_timeout_s=0: the
+    """Extra row: spool.max_bytes=400 kB, no student for the first 12 s (connect_timeout_s=0: the
     teacher spools at once): the producer blocks at the limit instead of dropping or overfilling;
     students that come later get every sample."""
     n, max_bytes = 120, 400_000
@@ -405,7 +405,7 @@ def test_spool_folder_full_blocks_the_producer(procs, tmp_path, tiny_teacher, te
         tiny_teacher,
         data,
         faults.free_port(),
-        transport={"connect_timeout_s": 0, "max_buffer_bytes": 64 << 10},
+        transport={"connect_timeout_s": 0, "max_buffer_bytes": 256 << 10},
         spool={"max_bytes": max_bytes},
     )
     spool_dir = tmp_path / "spool"
@@ -423,7 +423,7 @@ def test_spool_folder_full_blocks_the_producer(procs, tmp_path, tiny_teacher, te
     teacher = start_synthetic(procs, "teacher", tiny_teacher, data, run)
     w.start()
     try:
-        time.sleep(20)
+        time.sleep(12)
         assert teacher.alive(), f"the teacher did not wait for room in the spool:\n{teacher.tail()}"
         n_spooled = len(in_spool(run, expected))
         assert 0 < n_spooled < n, f"{n_spooled} of {n} spooled before any student came"
@@ -456,7 +456,7 @@ def _need_vllm():
 @vllm_row
 def test_teacher_killed_and_restarted(procs, tmp_path, tiny_teacher, texts):
     """`distill-teacher` SIGKILLed (with its engine core) mid-run and restarted with the same
-    command; the students keep waiting (transport.teacher_wait_s=300) and finish with it."""
+    command; the students keep waiting (transport.teacher_wait_s=120) and finish with it."""
     _need_vllm()
     n = 160
     data, expected = dataset(tmp_path, texts, n)
@@ -482,7 +482,7 @@ def test_teacher_killed_and_restarted(procs, tmp_path, tiny_teacher, texts):
 def test_engine_core_killed(procs, tmp_path, tiny_teacher, texts):
     """vLLM's engine core SIGKILLed mid-run. distill-teacher must notice, never send END, and
     exit 1 by itself; the students must not take it for the end (they keep waiting: teacher_wait_s
-    300); a restarted teacher finishes the job."""
+    120); a restarted teacher finishes the job."""
     _need_vllm()
     n = 160
     data, expected = dataset(tmp_path, texts, n)
