@@ -178,12 +178,30 @@ class ShmReader:
             raise ValueError(f"slot [{off}, {off + nbytes}) outside segment of {len(mm)} bytes")
         return view[off : off + nbytes]
 
+    def detach_unused(self, keep: set[str]) -> list[str]:
+        """Unmap rings not in `keep` that no sample views any more (a restarted teacher's old ring:
+        its pages stay allocated in /dev/shm while mapped). Returns the paths unmapped."""
+        gone = []
+        for path in [p for p in self._maps if p not in keep]:
+            mm, view = self._maps[path]
+            try:
+                view.release()  # BufferError while a received sample still views it
+            except BufferError:
+                continue
+            mm.close()
+            del self._maps[path]
+            gone.append(path)
+        return gone
+
     def stamp(self, path: str, off: int) -> int | None:
         """The stamp word at `off` of a mapped segment (None if not mapped or out of range)."""
         entry = self._maps.get(path)
         if entry is None or off < HEADER or off + 8 > len(entry[0]):
             return None
-        return _STAMP.unpack_from(entry[0], off)[0]
+        try:
+            return _STAMP.unpack_from(entry[0], off)[0]
+        except ValueError:  # unmapped meanwhile
+            return None
 
     def close(self) -> None:
         for mm, view in self._maps.values():

@@ -43,6 +43,7 @@ class _Teacher:
     endpoint: str
     sock: zmq.Socket
     tid: str | None = None
+    ring: str | None = None  # the shared-memory ring of the current session
     welcomed: bool = False
     hello_pending: bool = False  # a HELLO went out and no WELCOME came yet
     draining: bool = False
@@ -324,6 +325,8 @@ class Subscriber:
                     for t in self._teachers:
                         if not t.ended:
                             self._keepalive(t, now)
+                    # Rings of earlier teacher sessions, once no held sample views them.
+                    self._shm.detach_unused({t.ring for t in self._teachers if t.ring})
             self._send_acks()
             for t in self._teachers:
                 if not t.ended:
@@ -488,6 +491,7 @@ class Subscriber:
             shm = h["shm"]
             if self.cfg.shm != "off" and shm is not None:
                 shm_ok = self._shm.attach(shm[0], shm[1])
+            t.ring = shm[0] if shm_ok else None
             if self.cfg.shm == "on" and not shm_ok:
                 self._error = TransportError(
                     f"transport.shm is 'on' but the ring of teacher {t.endpoint} cannot be mapped"

@@ -345,3 +345,25 @@ def test_auto_end_waits_until_lost_keys_are_submitted_again(tmp_path):
             sub.ack(s)
             assert pub.wait_done(10)
         dying.close()
+
+
+def test_rings_of_earlier_teacher_sessions_are_unmapped(tmp_path):
+    """A restarted teacher makes a new ring; the student unmaps the old one once no sample views it
+    (an unlinked ring's pages stay allocated in /dev/shm while a student maps it)."""
+    cfg = _cfg(tmp_path, shm="on", heartbeat_timeout_s=0.5)
+    spool = SpoolConfig(dir=str(tmp_path / "spool"))
+    with Subscriber(cfg) as sub:
+        with Publisher(cfg, spool) as pub:
+            pub.submit(_sample(0))
+            s = sub.get(timeout=10)
+            old_ring = str(pub._ring.path)
+        assert old_ring in sub._shm._maps  # still viewed by the held sample
+        with Publisher(cfg, spool) as pub2:
+            sub.ack(s)
+            del s
+            pub2.submit(_sample(1))
+            s1 = sub.get(timeout=15)
+            assert s1 is not None and s1.key == "k001" and sub.valid(s1)
+            assert wait_until(lambda: old_ring not in sub._shm._maps, 10), list(sub._shm._maps)
+            assert str(pub2._ring.path) in sub._shm._maps
+            sub.ack(s1)
