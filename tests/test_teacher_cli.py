@@ -157,9 +157,11 @@ def _spool_rows(spool: Path, keys: list[str]) -> None:
 class _Student(threading.Thread):
     """A Subscriber in the test process: acks (= commits) every sample, records keys and END."""
 
-    def __init__(self, endpoint: str, **cfg):
+    def __init__(self, endpoint: str, *, commit_on_ack: bool = True, leave_after: int = 0, **cfg):
         super().__init__(daemon=True)
         self.cfg = TransportConfig(connect=[endpoint], shm="off", **cfg)
+        self.commit_on_ack = commit_on_ack
+        self.leave_after = leave_after  # > 0: leave (BYE) after this many samples, committing nothing
         self.keys: list[str] = []
         self.finished = False
         self.error: BaseException | None = None
@@ -167,7 +169,7 @@ class _Student(threading.Thread):
 
     def run(self) -> None:
         try:
-            with Subscriber(self.cfg) as sub:
+            with Subscriber(self.cfg, commit_on_ack=self.commit_on_ack) as sub:
                 while not self.halt.is_set():
                     s = sub.get(timeout=0.2)
                     if s is None:
@@ -176,6 +178,8 @@ class _Student(threading.Thread):
                         continue
                     self.keys.append(s.key)
                     sub.ack(s)
+                    if self.leave_after and len(self.keys) >= self.leave_after:
+                        break
                 self.finished = sub.finished
         except BaseException as e:  # surfaced by the test
             self.error = e
@@ -370,6 +374,75 @@ def test_shipped_configs_validate_and_name_their_command(path):
     assert first.startswith("# ") and "distill-teacher --config configs/" + path.name in first
     cfg = load_teacher_config(load_run_file(path).teacher)
     assert cfg.layer_ids and not cfg.enable_chunked_prefill
+
+
+def test_sigterm_while_serving_exits_130_with_the_spool_intact(assets, tmp_path):
+    import signal
+
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 3, seed=6)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    _spool_rows(tmp_path / "spool", keys)
+    cfg = _config(tmp_path, model, data, student_wait_s=120, progress_every_s=1)
+    teacher = subprocess.Popen(
+        [*CLI, "--config", str(cfg)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        line = ""
+        while "serving: committed" not in line:  # the serve phase is up
+            line = teacher.stdout.readline()
+            assert line or teacher.poll() is None, "teacher exited early"
+        teacher.send_signal(signal.SIGTERM)
+        out, _ = teacher.communicate(timeout=60)
+    finally:
+        if teacher.poll() is None:
+            teacher.kill()
+    assert teacher.returncode == 130, out[-3000:]
+    assert len(list_spool(tmp_path / "spool")) == 3
+    s = _summary(cfg)
+    assert (s["exit_code"], s["interrupted"], s["spooled"]) == (130, True, 3)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_keys_lost_while_serving_are_generated_again(assets, tmp_path):
+    """A student acks every spooled sample, then leaves (BYE) before any checkpoint covered them
+    (commit_on_ack=False, no commit): the keys are lost. The teacher generates them again with vLLM
+    and the next student gets each of them; then END and exit 0."""
+    pytest.importorskip("vllm")
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 4, seed=9)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    _spool_rows(tmp_path / "spool", keys)
+    cfg = _config(tmp_path, model, data, student_wait_s=120)
+    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+    a = _Student(ep, commit_on_ack=False, leave_after=4)
+    b = _Student(ep)
+    a.start()
+    teacher = subprocess.Popen(
+        [*CLI, "--config", str(cfg), "--set", "transport.connect_timeout_s=120"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        a.join(timeout=120)
+        assert sorted(a.keys) == sorted(keys) and a.error is None
+        b.start()
+        out, _ = teacher.communicate(timeout=400)
+        b.join(timeout=30)
+    finally:
+        _kill_tree(teacher.pid)
+        a.halt.set()
+        b.halt.set()
+        b.join(timeout=10)
+    assert teacher.returncode == 0, out[-3000:]
+    assert b.error is None and b.finished and sorted(b.keys) == sorted(keys), (b.keys, out[-3000:])
+    s = _summary(cfg)
+    assert (s["committed"], s["lost"], s["samples"]) == (4, 4, 4)
+    assert [p["phase"] for p in s["phases"]] == ["serve", "generate", "serve"]
+    assert s["phases"][0]["outcome"] == "lost"
 
 
 # ---------------------------------------------------------------------------------------------
