@@ -467,6 +467,8 @@ class Subscriber:
                 commit = ledger or self.commit_on_ack
                 if not commit:
                     t.uncommitted[s.key] = None
+                    with self._lock:
+                        self._uncommitted += 1  # the next commit() covers this ack too
                 self._send(t, P.ACK, P.encode_control(P.ACK, tid=s.teacher, seqs=[s.seq], commit=commit))
                 return
             self._q.put(s)
