@@ -200,6 +200,15 @@ def in_spool(run: Path, keys: set[str]) -> set[str]:
     return {k for k in keys if (d / spool_name(k)).exists()}
 
 
+def listening(port: int) -> bool:
+    """Something on this host listens on tcp `port` (the teacher's Publisher is up)."""
+    import psutil
+
+    return any(
+        c.laddr and c.laddr.port == port and c.status == "LISTEN" for c in psutil.net_connections("tcp")
+    )
+
+
 def alive_or_fail(*ps):
     """A check for wait_until: fail at once when one of `ps` ended early."""
 
@@ -562,23 +571,26 @@ def test_restart_with_every_key_journaled_or_spooled(procs, tmp_path, tiny_teach
 def test_students_frozen_until_the_teacher_leaves(procs, tmp_path, tiny_teacher, texts):
     """Both ranks stopped right after their first checkpoint until the teacher
     gave up on them (teacher.student_wait_s=15: distill-teacher exits 3, the rest in its spool);
-    resumed, the students find no teacher and exit 3 after transport.teacher_wait_s=15. Both are
-    restarted with the same commands (students resume_from=latest) and finish the job."""
+    resumed, the students find no teacher and exit 3 after transport.teacher_wait_s=20. Both are
+    restarted with the same commands (students resume_from=latest) and finish the job. (Students
+    start once the teacher listens: teacher_wait_s also bounds the wait for a teacher's start.)"""
     _need_vllm()
     n = 160
     data, expected = dataset(tmp_path, texts, n)
+    port = faults.free_port()
     run = run_file(
         tmp_path,
         tiny_teacher,
         data,
-        faults.free_port(),
+        port,
         vllm=True,
-        transport={"teacher_wait_s": 15, "max_buffer_bytes": 256 << 10},
+        transport={"teacher_wait_s": 20, "max_buffer_bytes": 256 << 10},
         teacher={"student_wait_s": 15},
         student={"checkpoint_every": 2, "resume_from": "latest"},
     )
     t0 = time.monotonic()
     teacher = start_vllm(procs, "teacher1", run)
+    wait_until(lambda: listening(port), 300, "teacher1 listening", check=alive_or_fail(teacher))
     students = start_students(procs, "students1", run)
     wait_until(
         lambda: latest_step(run) >= 2,
@@ -597,6 +609,7 @@ def test_students_frozen_until_the_teacher_leaves(procs, tmp_path, tiny_teacher,
     s1 = wait_students(students, 120)
     assert s1 == 3, f"students exit {s1} with the teacher gone (want 3):\n{students.tail()}"
     teacher2 = start_vllm(procs, "teacher2", run)
+    wait_until(lambda: listening(port), 300, "teacher2 listening", check=alive_or_fail(teacher2))
     students2 = start_students(procs, "students2", run)
     s_rc = wait_students(students2, 420)
     t_rc = teacher2.wait(120)
