@@ -22,6 +22,9 @@ SERVE     this process starts its own Publisher (auto_end=False) on the same end
 `teacher.after_generation: exit` skips SERVE: generate now, train offline later (everything not
 committed is in the spool; a later `distill-teacher` with the same config serves it).
 
+Everything that can be wrong with the config, model folder, layer ids, dataset (keys included), the
+journal's lock or the endpoints is checked before vLLM is imported (one line, exit 2).
+
 Exit codes: 0 every sample committed (after_generation=exit: everything generated and spooled);
 1 the vLLM engine died, or samples are missing (one line with counts; END is never sent); 2 config
 or usage error (before vLLM starts); 3 no student progress for `teacher.student_wait_s` with
