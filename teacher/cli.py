@@ -81,6 +81,7 @@ from teacher.data import check_dataset, iter_rows
 log = logging.getLogger("distill.teacher")
 
 EXIT_OK, EXIT_MISSING, EXIT_CONFIG, EXIT_STUDENTS_GONE, EXIT_SIGNAL = 0, 1, 2, 3, 130
+SPOOL_MARGIN_S = 60.0  # engine shutdown: time to spool what is in memory, beyond drain_timeout_s
 
 
 class Stop:
@@ -152,6 +153,16 @@ def build_llm(cfg: TeacherConfig, conn: ConnectorConfig):
     """The vLLM engine with extraction and our connector (spawns the engine processes)."""
     if cfg.cpu_kvcache_space_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gib)
+    # vLLM gives its workers VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (default 5) to exit before SIGTERM,
+    # then SIGKILL: the connector's shutdown (drain_timeout_s, then spooling what is in memory) must
+    # fit, or samples held in the worker's memory are lost (the serve phase would generate them again).
+    need = int(cfg.drain_timeout_s + SPOOL_MARGIN_S)
+    try:
+        have = int(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5"))
+    except ValueError:
+        have = 5
+    if have < need:
+        os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(need)
     from vllm import LLM
 
     args = dict(
@@ -634,7 +645,7 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
             # Frees the GPU now: the serve phase needs no engine. The connector waits at most
             # drain_timeout_s for acks, then spools what is unacked.
             t_sd = time.monotonic()
-            shutdown_llm(llm, timeout_s=cfg.drain_timeout_s + 60)
+            shutdown_llm(llm, timeout_s=cfg.drain_timeout_s + SPOOL_MARGIN_S + 30)
             log.info("engine shut down in %.1fs", time.monotonic() - t_sd)
             del llm
         phase["seconds"] = round(time.monotonic() - t_phase, 3)
