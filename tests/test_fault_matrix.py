@@ -225,6 +225,10 @@ def report(row: str, run: Path, expected: set[str], codes: dict, t0: float, **ex
     metrics = run.parent / "out" / "metrics.json"
     assert metrics.exists(), f"{row}: no metrics.json (the student run did not finish)"
     t = tally(metrics, expected)
+    # What a finished run leaves behind: no spool file (every sample acked), no ring file.
+    leftover_spool = sorted(p.name for p in (run.parent / "spool").glob("*.safetensors"))
+    leftover_rings = sorted(p.name for p in run.parent.glob("*.ring"))
+    extra = {**extra, "spool_left": len(leftover_spool), "rings_left": len(leftover_rings)}
     rec = {"row": row, **t, "exit": codes, "seconds": round(time.monotonic() - t0, 1), **extra}
     line = (
         f"ROW {row}: trained={t['trained']}/{len(expected)} lost={t['lost']} twice={t['twice']} "
@@ -238,6 +242,8 @@ def report(row: str, run: Path, expected: set[str], codes: dict, t0: float, **ex
     assert t["twice"] == 0, line
     assert t["lost"] == 0 and t["trained"] == len(expected), line
     assert not t["unexpected"], line
+    assert not leftover_spool, f"{line}: spool files left after the run: {leftover_spool[:5]}"
+    assert not leftover_rings, f"{line}: shared-memory ring files left: {leftover_rings}"
     return t
 
 
