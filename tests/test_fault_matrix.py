@@ -261,7 +261,10 @@ def _frozen_rank_row(
     row, procs, tmp, tiny_teacher, texts, *, shm: str, frozen_ranks, freeze_s, n, transport=None
 ):
     data, expected = dataset(tmp, texts, n)
-    run = run_file(tmp, tiny_teacher, data, faults.free_port(), transport={"shm": shm, **(transport or {})})
+    # A 1 MiB ring (~30 samples) wraps many times in a run: slots of samples a frozen rank still
+    # holds are the next to be reused unless the teacher keeps them until that rank acks or is gone.
+    transport = {"shm": shm, "shm_bytes": 1 << 20, **(transport or {})}
+    run = run_file(tmp, tiny_teacher, data, faults.free_port(), transport=transport)
     t0 = time.monotonic()
     teacher = start_synthetic(procs, "teacher", tiny_teacher, data, run, "--rate", "8")
     students = start_students(procs, "students", run)
