@@ -617,6 +617,12 @@ def test_students_frozen_until_the_teacher_leaves(procs, tmp_path, tiny_teacher,
     assert t1_rc == 3, f"distill-teacher exit {t1_rc} with students gone (want 3):\n{teacher.tail()}"
     s1 = wait_students(students, 120)
     assert s1 == 3, f"students exit {s1} with the teacher gone (want 3):\n{students.tail()}"
+    # Both say in one line where the rest is and which command finishes the job.
+    spool = str(tmp_path / "spool")
+    said = [ln for ln in teacher.text().splitlines() if spool in ln and "--config" in ln]
+    assert said, f"distill-teacher's exit 3 names no spool folder and command:\n{teacher.tail()}"
+    said = [ln for ln in students.text().splitlines() if spool in ln and "--config" in ln]
+    assert said, f"the students' exit 3 names no spool folder and command:\n{students.tail()}"
     teacher2 = start_vllm(procs, "teacher2", run)
     wait_until(lambda: listening(port), 300, "teacher2 listening", check=alive_or_fail(teacher2))
     students2 = start_students(procs, "students2", run)
