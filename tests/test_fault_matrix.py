@@ -579,10 +579,11 @@ def test_restart_with_every_key_journaled_or_spooled(procs, tmp_path, tiny_teach
 @vllm_row
 def test_students_frozen_until_the_teacher_leaves(procs, tmp_path, tiny_teacher, texts):
     """Both ranks stopped right after their first checkpoint until the teacher
-    gave up on them (teacher.student_wait_s=15: distill-teacher exits 3, the rest in its spool);
-    resumed, the students find no teacher and exit 3 after transport.teacher_wait_s=20. Both are
-    restarted with the same commands (students resume_from=latest) and finish the job. (Students
-    start once the teacher listens: teacher_wait_s also bounds the wait for a teacher's start.)"""
+    gave up on them (teacher.student_wait_s=30: distill-teacher exits 3, the rest in its spool);
+    resumed, the students find no teacher and exit 3 after transport.teacher_wait_s=30. Both are
+    restarted with the same commands (students resume_from=latest) and finish the job. Students
+    start once the teacher listens (teacher_wait_s also bounds the wait for a teacher's start) and
+    student_wait_s must cover the students' start-up (~20 s on 2 busy cores)."""
     _need_vllm()
     n = 160
     data, expected = dataset(tmp_path, texts, n)
@@ -593,8 +594,8 @@ def test_students_frozen_until_the_teacher_leaves(procs, tmp_path, tiny_teacher,
         data,
         port,
         vllm=True,
-        transport={"teacher_wait_s": 20, "max_buffer_bytes": 256 << 10},
-        teacher={"student_wait_s": 15},
+        transport={"teacher_wait_s": 30, "max_buffer_bytes": 256 << 10},
+        teacher={"student_wait_s": 30},
         student={"checkpoint_every": 2, "resume_from": "latest"},
     )
     t0 = time.monotonic()
