@@ -28,14 +28,19 @@ class TeacherGoneError(StudentError):
 
 @dataclass
 class Batch:
-    """A padded micro-batch (right padding).
+    """A micro-batch (right padding), on the host as `collate` makes it or on the device after `to`.
 
     Attributes:
         input_ids: [B, T] int64, 0 on padding.
         mask: [B, T] bool, True on real tokens.
-        teacher: [B, T, n, H_t] float32 teacher states for the n layer ids in `layer_ids`, 0 on padding.
-        layer_ids: teacher layer ids of `teacher`'s third dimension.
+        teacher: the teacher states for the n layer ids in `layer_ids`, in the dtype the teacher sent
+            (bf16 from a bf16 teacher: the loss upcasts on the device). Padded [B, T, n, H_t] with 0
+            on padding, or, when `lengths` is set (what `collate` returns), packed: [N, n, H_t], the
+            real tokens of every row one after the other (N = sum(lengths)); `to` pads it on the
+            target device, so padding never costs host memory traffic or copy bandwidth.
+        layer_ids: teacher layer ids of `teacher`'s layer dimension.
         samples: the Samples in the batch (to ack after the optimizer step; their tensors are not used).
+        lengths: real tokens per row when `teacher` is packed; None when it is padded.
     """
 
     input_ids: torch.Tensor
@@ -43,19 +48,64 @@ class Batch:
     teacher: torch.Tensor
     layer_ids: list[int]
     samples: list[Sample] = field(default_factory=list)
+    lengths: list[int] | None = None
+    pad_to: int = 1  # T is a multiple of this (collate's pad_to_multiple_of; select keeps it)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.mask.sum())
+        return sum(self.lengths) if self.lengths is not None else int(self.mask.sum())
 
-    def to(self, device) -> Batch:
-        return Batch(
-            self.input_ids.to(device),
-            self.mask.to(device),
-            self.teacher.to(device),
-            self.layer_ids,
-            self.samples,
-        )
+    @property
+    def padded(self) -> bool:
+        """False when some row is shorter than T (the model needs the attention mask)."""
+        if self.lengths is not None:
+            return any(n < self.mask.shape[1] for n in self.lengths)
+        return not bool(self.mask.all())
+
+    def to(self, device, non_blocking: bool = True) -> Batch:
+        """This batch on `device`, padded. Copies from pinned host memory run asynchronously
+        (`non_blocking`); the caching host allocator keeps a pinned buffer until its copy is done."""
+        device = torch.device(device)
+        ids = self.input_ids.to(device, non_blocking=non_blocking)
+        mask = self.mask.to(device, non_blocking=non_blocking)
+        if self.lengths is None:
+            teacher = self.teacher.to(device, non_blocking=non_blocking)
+        else:
+            b, t = self.mask.shape
+            rest = self.teacher.shape[1:]
+            packed = self.teacher.to(device, non_blocking=non_blocking)
+            if packed.shape[0] == b * t:  # no padding at all
+                teacher = packed.view(b, t, *rest)
+            elif device.type == "cpu":  # row by row (no index tensor)
+                teacher = torch.zeros((b, t, *rest), dtype=packed.dtype)
+                off = 0
+                for row, n in enumerate(self.lengths):
+                    teacher[row, :n] = packed[off : off + n]
+                    off += n
+            else:  # one scatter kernel on the device
+                pos = _positions(self.lengths, t)
+                if self.teacher.is_pinned():
+                    pos = pos.pin_memory()
+                teacher = torch.zeros((b * t, *rest), dtype=packed.dtype, device=device)
+                teacher.index_copy_(0, pos.to(device, non_blocking=non_blocking), packed)
+                teacher = teacher.view(b, t, *rest)
+        return Batch(ids, mask, teacher, self.layer_ids, self.samples)
+
+
+def _positions(lengths: list[int], t: int) -> torch.Tensor:
+    """Flat indices (row * t + column) of the real tokens of right-padded rows, in packed order."""
+    lens = torch.tensor(lengths, dtype=torch.long)
+    starts = torch.arange(len(lengths), dtype=torch.long) * t
+    offsets = torch.cumsum(lens, 0) - lens  # packed start of each row
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+    cols = torch.arange(int(lens.sum())) - offsets[rows]
+    return starts[rows] + cols
+
+
+def padded_length(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple` (GPU kernels such as cuDNN attention build a plan
+    per shape: fewer distinct lengths, fewer plans)."""
+    return -(-n // multiple) * multiple if multiple > 1 else n
 
 
 def layer_index(sample: Sample, layer_ids: list[int]) -> list[int]:
@@ -98,37 +148,81 @@ def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int) -> None
         )
 
 
-def collate(samples: list[Sample], layer_ids: list[int]) -> Batch:
-    """Pad `samples` on the right into one Batch, copying the selected teacher layers as float32."""
+def collate(
+    samples: list[Sample], layer_ids: list[int], pin_memory: bool = False, pad_to_multiple_of: int = 1
+) -> Batch:
+    """Copy `samples` into one packed Batch: token ids and mask padded on the right to T (the
+    longest sample, rounded up to `pad_to_multiple_of`), the selected teacher layers packed
+    [N, n, H] in the dtype the teacher sent, read by index straight from each received view (no
+    upcast, no zero-filled padding on the host). `pin_memory`: page-locked, for an asynchronous copy
+    to a GPU (`Batch.to`). The result owns its memory: the samples' views may die after this."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     lengths = [s.num_tokens for s in samples]
-    t_max = max(lengths)
-    hidden = samples[0].tensors["hidden_states"].shape[-1]
+    t_max = padded_length(max(lengths), pad_to_multiple_of)
+    first = samples[0].tensors["hidden_states"]
+    hidden, dtype = first.shape[-1], first.dtype
     input_ids = torch.zeros(len(samples), t_max, dtype=torch.long)
     mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
-    teacher = torch.zeros(len(samples), t_max, len(layer_ids), hidden, dtype=torch.float32)
+    teacher = torch.empty(sum(lengths), len(layer_ids), hidden, dtype=dtype, pin_memory=pin_memory)
+    off = 0
     for b, s in enumerate(samples):
         n = lengths[b]
-        idx = torch.tensor(layer_index(s, layer_ids), dtype=torch.long)
-        input_ids[b, :n] = s.tensors["token_ids"].to(torch.long)  # copies
+        hs = s.tensors["hidden_states"]
+        pos = layer_index(s, layer_ids)
+        input_ids[b, :n] = s.tensors["token_ids"]  # copies
         mask[b, :n] = True
-        teacher[b, :n] = s.tensors["hidden_states"].index_select(1, idx).to(torch.float32)  # copies
-    return Batch(input_ids, mask, teacher, list(layer_ids), list(samples))
+        dst = teacher[off : off + n]
+        if pos == list(range(hs.shape[1])):
+            dst.copy_(hs)  # every received layer, in order
+        elif hs.dtype == dtype and len(pos) == 1:
+            dst[:, 0].copy_(hs[:, pos[0]])
+        elif hs.dtype == dtype:
+            torch.index_select(hs, 1, torch.tensor(pos, dtype=torch.long), out=dst)  # copies
+        else:
+            dst.copy_(hs.index_select(1, torch.tensor(pos, dtype=torch.long)))
+        off += n
+    if pin_memory:
+        input_ids, mask = input_ids.pin_memory(), mask.pin_memory()
+    return Batch(
+        input_ids, mask, teacher, list(layer_ids), list(samples), lengths, max(pad_to_multiple_of, 1)
+    )
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:
-    """The rows `keep` of `batch`, trimmed to their longest sample: equal to collating those samples."""
+    """The rows `keep` of a host `batch`, trimmed to their longest sample (rounded up as `collate`
+    did): equal to collating those samples."""
     idx = torch.tensor(keep, dtype=torch.long)
     mask = batch.mask.index_select(0, idx)
-    t = int(mask.sum(1).max()) if keep else 0
-    return Batch(
-        batch.input_ids.index_select(0, idx)[:, :t].contiguous(),
-        mask[:, :t].contiguous(),
-        batch.teacher.index_select(0, idx)[:, :t].contiguous(),
-        batch.layer_ids,
-        [batch.samples[i] for i in keep],
+    if batch.lengths is None:
+        t = int(mask.sum(1).max()) if keep else 0
+        return Batch(
+            batch.input_ids.index_select(0, idx)[:, :t].contiguous(),
+            mask[:, :t].contiguous(),
+            batch.teacher.index_select(0, idx)[:, :t].contiguous(),
+            batch.layer_ids,
+            [batch.samples[i] for i in keep],
+        )
+    lengths = [batch.lengths[i] for i in keep]
+    longest = max(lengths) if keep else 0
+    t = padded_length(longest, batch.pad_to)
+    offsets = [0]
+    for n in batch.lengths:
+        offsets.append(offsets[-1] + n)
+    rows = (
+        torch.cat([torch.arange(offsets[i], offsets[i] + batch.lengths[i]) for i in keep]) if keep else None
     )
+    pinned = batch.teacher.is_pinned()
+    teacher = torch.empty(
+        (sum(lengths), *batch.teacher.shape[1:]), dtype=batch.teacher.dtype, pin_memory=pinned
+    )
+    if keep:
+        torch.index_select(batch.teacher, 0, rows, out=teacher)
+    ids = batch.input_ids.index_select(0, idx)[:, :t].contiguous()
+    mask = mask[:, :t].contiguous()
+    if pinned:
+        ids, mask = ids.pin_memory(), mask.pin_memory()
+    return Batch(ids, mask, teacher, batch.layer_ids, [batch.samples[i] for i in keep], lengths, batch.pad_to)
 
 
 def key_hash(key: str) -> int:

@@ -18,6 +18,7 @@ checkpoint that covers them; the ledger of trained keys is checkpointed with the
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object, set_seed
@@ -64,9 +66,12 @@ TERMS = ("mse", "cosine", "nmse", "kl", "ce")
 def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConfig, teacher_last: int | None):
     """Weighted sum of the configured loss terms on one micro-batch.
 
-    Hidden-state terms are averaged over layer pairs with the pairs' weights. Returns the loss and a
-    dict of the unweighted terms (detached).
+    Hidden-state terms are averaged over layer pairs with the pairs' weights. Teacher states come in
+    the dtype the teacher sent (bf16 from a bf16 teacher) and are upcast to fp32 here, on the
+    device, per layer used. Returns the loss and a dict of the unweighted terms (detached).
     """
+    if batch.lengths is not None:  # a packed host batch (collate): pad it where it is
+        batch = batch.to(batch.input_ids.device)
     logits, mapped = model(batch.input_ids, batch.mask)
     w = cfg.losses
     pos = {lid: i for i, lid in enumerate(batch.layer_ids)}  # teacher layer id -> index in batch.teacher
@@ -76,18 +81,30 @@ def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConf
         if getattr(w, name) > 0:
             terms[name] = (
                 sum(
-                    p.weight * fn(h.float(), batch.teacher[:, :, pos[p.teacher_layer]], batch.mask)
+                    p.weight * fn(h.float(), batch.teacher[:, :, pos[p.teacher_layer]].float(), batch.mask)
                     for p, h in zip(cfg.layer_map, mapped, strict=True)
                 )
                 / pair_total
             )
     if w.kl > 0:
-        teacher_logits = head(batch.teacher[:, :, pos[teacher_last]])
+        teacher_logits = head(batch.teacher[:, :, pos[teacher_last]].float())
         terms["kl"] = losses.kl(logits, teacher_logits, batch.mask, cfg.temperature)
     if w.ce > 0:
         terms["ce"] = losses.ce(logits, batch.input_ids, batch.mask)
     loss = sum(getattr(w, k) * v for k, v in terms.items())
     return loss, {k: v.detach() for k, v in terms.items()}
+
+
+def unused_parameters(cfg: StudentConfig, model: DistillModel) -> bool:
+    """Whether some trainable parameter can get no gradient (DDP then needs find_unused_parameters).
+
+    The logits (kl, ce) reach every student parameter; without them the final norm, the LM head
+    and the layers above the deepest mapped one get none. Projections get one from a hidden-state
+    term (mse, cosine, nmse) only."""
+    w = cfg.losses
+    uses_logits = w.kl > 0 or w.ce > 0
+    hidden_terms = w.mse + w.cosine + w.nmse > 0
+    return not uses_logits or (len(model.projections) > 0 and not hidden_terms)
 
 
 def build_optimizer(cfg: StudentConfig, params):
@@ -110,15 +127,22 @@ def resolve_resume(cfg: StudentConfig) -> Path | None:
 
 def training_function(cfg: StudentConfig, run, args) -> None:
     # cpu=True on a machine without CUDA is what makes `--multi_gpu --num_processes N` join a gloo
-    # group (NOTES.md); unused parameters happen when no loss reaches the last layers or the LM head.
+    # group (NOTES.md). DDP's find_unused_parameters is set below, once the model is known.
+    ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=True)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=cfg.mixed_precision,
         log_with=list(cfg.trackers) or None,
         project_dir=cfg.output_dir,
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+        kwargs_handlers=[ddp_kwargs],
     )
     rank, world = accelerator.process_index, accelerator.num_processes
+    device = accelerator.device
+    on_gpu = device.type != "cpu"
+    # The loop's control collectives (flags, key hashes) carry a few integers: on a GPU they go
+    # through a gloo group on the CPU, so that agreeing on the next micro-batch never waits for
+    # the GPU to finish the current step (an NCCL gather read back with .cpu() would).
+    ctl_group = dist.new_group(backend="gloo") if on_gpu and world > 1 else None
     set_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
     ckpt_dir = Path(cfg.ckpt_dir)
@@ -146,6 +170,19 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             )
     # Teacher layer ids every batch carries: the mapped ones, plus the last one for KL.
     layer_ids = sorted({p.teacher_layer for p in cfg.layer_map} | ({teacher_last} if head else set()))
+    ddp_kwargs.find_unused_parameters = (
+        cfg.find_unused_parameters
+        if cfg.find_unused_parameters is not None
+        else unused_parameters(cfg, model)
+    )
+    # Host batches: page-locked on a GPU (asynchronous copies). PyTorch's cuDNN attention builds a
+    # plan for every new batch shape (~12 ms forward + ~19 ms backward of CPU per layer on an H200):
+    # off by default, SDPA then takes the flash / memory-efficient kernels, which need none. With
+    # it on, lengths are rounded up to 64 by default (fewer distinct shapes).
+    pin = on_gpu
+    if on_gpu:
+        torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
+    pad_to = cfg.pad_to_multiple_of or (64 if on_gpu and cfg.cudnn_attention else 1)
 
     optimizer = build_optimizer(cfg, model.parameters())
     scheduler = get_scheduler(
@@ -200,9 +237,17 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     dup_wait = []  # this rank's dropped duplicates: acked after the next optimizer step, never trained
     micro = 0  # micro-batches accumulated since the last optimizer step
     synced = True  # was the last backward outside no_sync (gradients all-reduced)?
-    acc = torch.zeros(len(TERMS) + 3, dtype=torch.float64)  # token-weighted terms, loss, tokens, samples
+    # Token-weighted sums of the terms and the loss over the step's micro-batches, on the device:
+    # no host synchronisation per micro-step. Tokens and samples are counted on the host.
+    acc = torch.zeros(len(TERMS) + 1, dtype=torch.float64, device=device)
+    step_tokens = step_samples = 0
     wait_mark = source.wait_s
     t_log, tok_log, smp_log = time.perf_counter(), 0.0, 0.0
+    # Steps whose metrics are still on their way to the host: (step, host tensor, event, record).
+    # A step's metrics are read one step later (or when its copy is done), so the host never waits
+    # for the GPU to finish the step it just queued; `publish(everything=True)` before checkpoints
+    # and at the end makes `ledger.history` complete.
+    in_flight: collections.deque = collections.deque()
     bar = tqdm(
         total=cfg.max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="student"
     )
@@ -223,6 +268,51 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             accelerator.backward(loss * weight)
         return loss.detach(), terms
 
+    def gather_ctl(t: torch.Tensor) -> torch.Tensor:
+        """All-gather a small int64 CPU tensor (same length on every rank) -> [world, len]."""
+        if world == 1:
+            return t.view(1, -1)
+        if ctl_group is None:
+            return accelerator.gather(t.to(device)).cpu().view(world, -1)
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t, group=ctl_group)
+        return torch.stack(out)
+
+    def publish(everything: bool = False) -> None:
+        """Turn finished steps' metrics into ledger records, progress and log lines, in step order."""
+        nonlocal t_log, tok_log, smp_log
+        while in_flight and (
+            everything or len(in_flight) > 1 or in_flight[0][2] is None or in_flight[0][2].query()
+        ):
+            _, tot, event, rec = in_flight.popleft()
+            if event is not None:
+                event.synchronize()
+            n_tok = rec["tokens"] or 1.0
+            rec["loss"] = float(tot[len(TERMS)]) / n_tok
+            rec.update({k: float(tot[i]) / n_tok for i, k in enumerate(TERMS) if getattr(cfg.losses, k) > 0})
+            rec["wait_s"] = float(tot[-1]) / world
+            ledger.history.append(rec)
+            tok_log += rec["tokens"]
+            smp_log += rec["samples"]
+            bar.set_postfix(loss=f"{rec['loss']:.4f}")
+            if rec["step"] % cfg.log_every == 0:
+                dt = max(time.perf_counter() - t_log, 1e-9)
+                terms_txt = " ".join(f"{k}={rec[k]:.4f}" for k in TERMS if k in rec)
+                logger.info(
+                    "step %d loss=%.4f %s | %.1f samples/s %.0f tokens/s | waiting for teacher %.2fs/step",
+                    rec["step"],
+                    rec["loss"],
+                    terms_txt,
+                    smp_log / dt,
+                    tok_log / dt,
+                    rec["wait_s"],
+                )
+                t_log, tok_log, smp_log = time.perf_counter(), 0.0, 0.0
+            if cfg.trackers:
+                accelerator.log(
+                    {f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")}, step=rec["step"]
+                )
+
     def checkpoint() -> None:
         """Collective: save, then tell the teacher that everything acked so far is covered.
 
@@ -230,6 +320,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
         covers every key acked since (only keys of completed steps are acked): commit only, and
         never write into the folder `latest` points at."""
         nonlocal last_ckpt
+        publish(everything=True)  # the ledger's history is saved with the checkpoint
         if step > last_ckpt:
             save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
             last_ckpt = step
@@ -251,7 +342,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                     # Copy first, then ask whether the memory was still the sample's (a shared-memory
                     # slot is reused once the teacher declared this student gone): stale samples are
                     # discarded, not acked; the teacher sends them again.
-                    batch = collate(samples, layer_ids)
+                    batch = collate(samples, layer_ids, pin_memory=pin, pad_to_multiple_of=pad_to)
                     ok = [source.valid(s) for s in samples]
                     if not all(ok):
                         source.discard([s for s, v in zip(samples, ok, strict=True) if not v])
@@ -269,8 +360,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
 
             # 2. Agree (collective 1): samples proposed, finished, failed, idle, uncommitted acks, backlog.
             info = [len(samples), done_here, code, idle_here, uncommitted, batcher.filled]
-            info = torch.tensor(info, dtype=torch.int64)
-            info = accelerator.gather(info.to(accelerator.device)).cpu().view(world, -1)
+            info = gather_ctl(torch.tensor(info, dtype=torch.int64))
             if int(info[:, 2].max()) > 0:
                 if int(info[:, 2].max()) == 2:
                     gone = error or "another rank heard nothing from the teacher"
@@ -283,16 +373,18 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             # 3. Agree on keys (collective 2, only when some rank has samples): each rank's key
             #    hashes and token counts; every rank computes the same decision (`agree`).
             tokens_per_rank = [0] * world
+            samples_per_rank = [0] * world
             if n_max:
                 vec = torch.zeros(2 * n_max, dtype=torch.int64)
                 vec[: len(samples)] = torch.tensor([key_hash(s.key) for s in samples], dtype=torch.int64)
                 vec[n_max : n_max + len(samples)] = torch.tensor([s.num_tokens for s in samples])
-                allv = accelerator.gather(vec.to(accelerator.device)).cpu().view(world, -1)
+                allv = gather_ctl(vec)
                 proposals = [allv[r, : int(info[r, 0])].tolist() for r in range(world)]
                 keep_all = agree(proposals, (trained_h, claimed_h))
                 for r in range(world):
                     kept = [i for i, k in enumerate(keep_all[r]) if k]
                     tokens_per_rank[r] = int(allv[r, n_max:][kept].sum()) if kept else 0
+                    samples_per_rank[r] = len(kept)
                     claimed_h.update(proposals[r][i] for i in kept)
                 mine = keep_all[rank]
                 if not all(mine):
@@ -311,25 +403,23 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                     batch = empty_batch(layer_ids, teacher_hidden)
                 boundary = micro + 1 >= cfg.grad_accum_steps
                 weight = tokens * world / global_tokens
-                loss, terms = backward(batch.to(accelerator.device), weight, sync=boundary)
+                loss, terms = backward(batch.to(device), weight, sync=boundary)
                 synced = boundary
                 micro += 1
                 pending.extend(samples)
-                for i, k in enumerate(TERMS):
-                    if k in terms:
-                        acc[i] += float(terms[k]) * tokens
-                acc[len(TERMS)] += float(loss) * tokens
-                acc[len(TERMS) + 1] += tokens
-                acc[len(TERMS) + 2] += len(samples)
+                if tokens:  # device-side sums: no host synchronisation here
+                    zero = loss.new_zeros(())
+                    acc += torch.stack([terms.get(k, zero) for k in TERMS] + [loss]).double() * tokens
+                step_tokens += global_tokens
+                step_samples += sum(samples_per_rank)
 
             # 5. Optimizer step: after grad_accum_steps micro-batches, or earlier when no rank had data
             #    (idle teacher, end of stream): holding samples unacked would starve the teacher's credit.
             if micro and (micro >= cfg.grad_accum_steps or not any_data or all_done):
                 if not synced:  # the last backward was local: a zero-weight synced one all-reduces the sum
-                    backward(empty_batch(layer_ids, teacher_hidden).to(accelerator.device), 0.0, sync=True)
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(micro)  # mean over micro-batches
+                    backward(empty_batch(layer_ids, teacher_hidden).to(device), 0.0, sync=True)
+                if micro > 1:  # mean over micro-batches
+                    torch._foreach_div_([p.grad for p in model.parameters() if p.grad is not None], micro)
                 if cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
@@ -344,48 +434,26 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 claimed_h.clear()
                 pending, dup_wait, micro, synced = [], [], 0, True
 
-                # Metrics: global token-weighted means (one all-reduce per step).
+                # Metrics: global token-weighted means (one all-reduce per step, queued on the device;
+                # the host reads them a step later, in `publish`).
                 wait = source.wait_s - wait_mark
                 wait_mark = source.wait_s
-                tot = accelerator.reduce(
-                    torch.cat([acc, torch.tensor([wait])]).to(accelerator.device), "sum"
-                ).cpu()
-                n_tok = float(tot[len(TERMS) + 1]) or 1.0
-                rec = {"step": step, "loss": float(tot[len(TERMS)]) / n_tok}
-                rec.update(
-                    {k: float(tot[i]) / n_tok for i, k in enumerate(TERMS) if getattr(cfg.losses, k) > 0}
-                )
-                rec.update(
-                    samples=int(tot[len(TERMS) + 2]),
-                    tokens=int(tot[len(TERMS) + 1]),
-                    wait_s=float(tot[-1]) / world,
-                    lr=scheduler.get_last_lr()[0],
-                    time=time.time(),
-                )
-                ledger.history.append(rec)
+                # (torch.full: a fill on the device; copying a host tensor would synchronise)
+                tot = torch.cat([acc, torch.full((1,), wait, dtype=torch.float64, device=device)])
+                tot = accelerator.reduce(tot, "sum") if world > 1 else tot
+                event = None
+                if on_gpu:
+                    tot = tot.to("cpu", non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                rec = {"step": step, "samples": step_samples, "tokens": step_tokens}
+                rec.update(lr=scheduler.get_last_lr()[0], time=time.time())
+                in_flight.append((step, tot, event, rec))
                 ledger.step = step
-                acc.zero_()
-                tok_log += rec["tokens"]
-                smp_log += rec["samples"]
+                acc = torch.zeros_like(acc)
+                step_tokens = step_samples = 0
                 bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}")
-                if step % cfg.log_every == 0:
-                    dt = max(time.perf_counter() - t_log, 1e-9)
-                    terms_txt = " ".join(f"{k}={rec[k]:.4f}" for k in TERMS if k in rec)
-                    logger.info(
-                        "step %d loss=%.4f %s | %.1f samples/s %.0f tokens/s | waiting for teacher %.2fs/step",
-                        step,
-                        rec["loss"],
-                        terms_txt,
-                        smp_log / dt,
-                        tok_log / dt,
-                        rec["wait_s"],
-                    )
-                    t_log, tok_log, smp_log = time.perf_counter(), 0.0, 0.0
-                if cfg.trackers:
-                    accelerator.log(
-                        {f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")}, step=step
-                    )
+                publish()
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     checkpoint()
                 if cfg.max_steps is not None and step >= cfg.max_steps:
@@ -411,6 +479,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 source.commit()
             if all_done:
                 break
+        publish(everything=True)  # every step's record in the ledger before it is saved
         # Stopping for good (max_steps, end of stream): a checkpoint covers every trained step, so
         # the teacher can record everything acked as done (a resumed run would skip nothing else).
         if cfg.checkpoint_every and gone is None:

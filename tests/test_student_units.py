@@ -77,18 +77,66 @@ def test_batcher_max_samples_and_full():
 
 def test_collate_pads_masks_selects_layers_and_copies():
     s1, s2 = sample("a", 5, layers=(0, 2, 4)), sample("b", 3, layers=(4, 2), seed=1)
-    batch = collate([s1, s2], [2, 4])
+    host = collate([s1, s2], [2, 4])
+    # On the host: packed real tokens in the teacher's dtype (no fp32 upcast, no padding rows).
+    assert host.teacher.shape == (8, 2, 8) and host.teacher.dtype == torch.bfloat16
+    assert host.lengths == [5, 3] and host.num_tokens == 8 and host.padded
+    batch = host.to("cpu")  # padded where it goes (the GPU, in training)
     assert batch.input_ids.shape == (2, 5) and batch.teacher.shape == (2, 5, 2, 8)
     assert batch.mask.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
-    assert batch.teacher.dtype == torch.float32
+    assert batch.teacher.dtype == torch.bfloat16 and batch.lengths is None
     # Layer ids are looked up by id, not position: s2 sends [4, 2].
-    torch.testing.assert_close(batch.teacher[0, :, 0], s1.tensors["hidden_states"][:, 1].float())
-    torch.testing.assert_close(batch.teacher[1, :3, 0], s2.tensors["hidden_states"][:, 1].float())
-    torch.testing.assert_close(batch.teacher[1, :3, 1], s2.tensors["hidden_states"][:, 0].float())
+    torch.testing.assert_close(batch.teacher[0, :, 0], s1.tensors["hidden_states"][:, 1])
+    torch.testing.assert_close(batch.teacher[1, :3, 0], s2.tensors["hidden_states"][:, 1])
+    torch.testing.assert_close(batch.teacher[1, :3, 1], s2.tensors["hidden_states"][:, 0])
     assert torch.all(batch.teacher[1, 3:] == 0) and torch.all(batch.input_ids[1, 3:] == 0)
     # Copies: the batch survives the sample's buffers (zero-copy views die at ack).
     s1.tensors["hidden_states"].zero_()
-    assert batch.teacher[0].abs().sum() > 0
+    assert host.teacher[:5].abs().sum() > 0 and batch.teacher[0].abs().sum() > 0
+
+
+def test_collate_rounds_the_length_and_keeps_every_layer_order():
+    s1, s2 = sample("a", 5, layers=(2, 4)), sample("b", 7, layers=(2, 4), seed=1)
+    batch = collate([s1, s2], [2, 4], pad_to_multiple_of=4).to("cpu")
+    assert batch.input_ids.shape == (2, 8) and batch.mask.sum(1).tolist() == [5, 7]
+    torch.testing.assert_close(batch.teacher[1, :7], s2.tensors["hidden_states"])  # all layers, in order
+    torch.testing.assert_close(batch.teacher[0, :5, 1], s1.tensors["hidden_states"][:, 1])  # one layer
+    only = collate([s1], [4]).to("cpu")
+    torch.testing.assert_close(only.teacher[0, :, 0], s1.tensors["hidden_states"][:, 1])
+    full = collate([s1, sample("c", 5, seed=2)], [2, 4])
+    assert not full.padded and full.to("cpu").teacher.shape == (2, 5, 2, 8)
+
+
+def test_device_scatter_positions_pad_like_the_row_copy():
+    """Batch.to pads a packed batch on a GPU with one index_copy_ at `_positions`: the same result
+    as the row-by-row copy used on a CPU."""
+    from student.data import _positions
+
+    host = collate(
+        [sample("a", 3, seed=1), sample("b", 6, seed=2), sample("c", 1, seed=3)], [2, 4], pad_to_multiple_of=4
+    )
+    b, t = host.mask.shape
+    assert _positions(host.lengths, t).tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13, 16]
+    out = torch.zeros((b * t, *host.teacher.shape[1:]), dtype=host.teacher.dtype)
+    out.index_copy_(0, _positions(host.lengths, t), host.teacher)
+    torch.testing.assert_close(out.view(b, t, *host.teacher.shape[1:]), host.to("cpu").teacher)
+
+
+def test_compute_loss_is_the_same_for_bf16_and_fp32_teacher_batches():
+    """The loss upcasts the teacher states itself: a bf16 batch gives the fp32 batch's loss."""
+    from student.model import DistillModel, load_student
+    from student.train import compute_loss
+
+    cfg = load_student_config_dict({**TINY_STUDENT, "losses": {"mse": 1.0, "cosine": 1.0, "nmse": 1.0}})
+    model = DistillModel(load_student(cfg), [(1, 2)], 8, "auto")
+    ss = [sample("a", 5, seed=1), sample("b", 3, seed=2)]
+    bf = collate(ss, [2])
+    f32 = bf.to("cpu")
+    f32.teacher = f32.teacher.float()
+    a, ta = compute_loss(model, None, bf, cfg, None)
+    b, tb = compute_loss(model, None, f32, cfg, None)
+    torch.testing.assert_close(a, b)
+    assert ta.keys() == tb.keys() == {"mse", "cosine", "nmse"}
 
 
 def test_missing_layer_and_hidden_size_errors_are_clear():
@@ -219,13 +267,30 @@ def test_key_hash_is_stable_and_int64():
 
 def test_select_rows_equals_collate_of_the_subset():
     ss = [sample("a", 5, seed=1), sample("b", 9, seed=2), sample("c", 3, seed=3)]
-    full = collate(ss, [2, 4])
-    for keep in ([0, 2], [1], [2, 0]):
-        want = collate([ss[i] for i in keep], [2, 4])
-        got = select(full, keep)
-        for name in ("input_ids", "mask", "teacher"):
-            torch.testing.assert_close(getattr(got, name), getattr(want, name))
-        assert [s.key for s in got.samples] == [s.key for s in want.samples]
+    for pad_to in (1, 4):
+        full = collate(ss, [2, 4], pad_to_multiple_of=pad_to)
+        for keep in ([0, 2], [1], [2, 0]):
+            want = collate([ss[i] for i in keep], [2, 4], pad_to_multiple_of=pad_to)
+            got = select(full, keep)
+            assert got.lengths == want.lengths
+            for name in ("input_ids", "mask", "teacher"):
+                torch.testing.assert_close(getattr(got, name), getattr(want, name))
+                torch.testing.assert_close(getattr(got.to("cpu"), name), getattr(want.to("cpu"), name))
+            assert [s.key for s in got.samples] == [s.key for s in want.samples]
+
+
+def test_find_unused_parameters_only_when_some_parameter_gets_no_gradient():
+    from student.model import DistillModel, load_student
+    from student.train import unused_parameters
+
+    def case(losses, projection="auto"):
+        cfg = load_student_config_dict({**TINY_STUDENT, "losses": losses, "projection": projection})
+        model = DistillModel(load_student(cfg), [(1, 2)], 8, projection)
+        return unused_parameters(cfg, model)
+
+    assert case({"nmse": 1.0})  # no logits: the LM head and the top layer get no gradient
+    assert not case({"nmse": 1.0, "ce": 1.0})
+    assert case({"nmse": 0.0, "ce": 1.0})  # projections without a hidden-state term
 
 
 def test_ledger_roundtrip():
@@ -334,6 +399,12 @@ TINY_STUDENT = {
     "layer_map": [{"student_layer": 1, "teacher_layer": 2}],
     "max_tokens_per_batch": 64,
 }  # fmt: skip
+
+
+def load_student_config_dict(student: dict):
+    from student.config import StudentConfig
+
+    return StudentConfig.model_validate(student)
 
 
 def run_student(tmp_path, student: dict, transport: dict | None = None, nproc: int = 1, timeout=120):
