@@ -129,23 +129,31 @@ def check_journal_free(path: str, wait_s: float = 10.0) -> None:
                 time.sleep(0.1)
 
 
-def check_endpoints_free(transport: TransportConfig) -> None:
-    """Bind and release every endpoint once, so a port in use fails before vLLM starts."""
+def check_endpoints_free(transport: TransportConfig, wait_s: float = 3.0) -> None:
+    """Bind and release every endpoint once, so a port in use fails before vLLM starts. Waits up to
+    `wait_s` for it: a Publisher closed moments ago (the serve phase, before generating lost keys
+    again) lets go of its listener asynchronously, after its linger."""
     import zmq
 
     ctx = zmq.Context()  # own context, terminated here: nothing of it survives into vLLM's forks
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    deadline = time.monotonic() + wait_s
     try:
         for ep in transport.bind:
-            try:
-                sock.bind(ep)
-            except zmq.ZMQError as e:
-                raise ConfigError(
-                    f"transport.bind: cannot bind {ep!r}: {e} (another teacher on this port?)"
-                ) from None
+            while True:
+                sock = ctx.socket(zmq.ROUTER)
+                sock.setsockopt(zmq.LINGER, 0)
+                try:
+                    sock.bind(ep)
+                    break
+                except zmq.ZMQError as e:
+                    if time.monotonic() >= deadline:
+                        raise ConfigError(
+                            f"transport.bind: cannot bind {ep!r}: {e} (another teacher on this port?)"
+                        ) from None
+                    time.sleep(0.2)
+                finally:
+                    sock.close(0)
     finally:
-        sock.close(0)
         ctx.term()
 
 
@@ -496,9 +504,12 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
         # create + flock + unlink on the engine step for each request); spooled files still get one.
         use_lock=False,
     )
-    check_journal_free(cfg.journal)
-    if cfg.connector_mode == "stream":
-        check_endpoints_free(r.transport)
+    try:
+        check_journal_free(cfg.journal)
+        if cfg.connector_mode == "stream":
+            check_endpoints_free(r.transport, wait_s=15.0)
+    except ConfigError as e:  # free at start; taken since (another process)
+        raise ServeFailed(f"cannot generate (round {rnd}): {e}") from None
     tail = JournalTail(cfg.journal)
     tail.poll()  # history: lost records of earlier runs are in `todo` already
     pending: set[str] = set(todo)
