@@ -435,6 +435,7 @@ def run(
                 )
                 return r.finish(EXIT_STUDENTS_GONE)
             # outcome == "lost": generate them (and anything else missing) again
+            log.warning("%d samples lost or missing while serving: generating them again", len(lost_keys))
             if len(r.committed() & r.required) == committed_before:
                 fruitless += 1
             else:
