@@ -185,10 +185,11 @@ class ShmReader:
         for path in [p for p in self._maps if p not in keep]:
             mm, view = self._maps[path]
             try:
-                view.release()  # BufferError while a received sample still views it
+                view.release()
+                mm.close()  # BufferError while a received sample's tensor still views the map
             except BufferError:
+                self._maps[path] = (mm, memoryview(mm))  # still mapped: keep resolving it
                 continue
-            mm.close()
             del self._maps[path]
             gone.append(path)
         return gone

@@ -359,6 +359,11 @@ def test_rings_of_earlier_teacher_sessions_are_unmapped(tmp_path):
             old_ring = str(pub._ring.path)
         assert old_ring in sub._shm._maps  # still viewed by the held sample
         with Publisher(cfg, spool) as pub2:
+            # While the sample's tensor still views the old ring, detaching must wait, not fail.
+            assert sub._shm.detach_unused(set()) == []
+            assert sub.valid(s) is False or sub.valid(s) is True  # resolving still works
+            time.sleep(2 * cfg.heartbeat_interval_s)
+            assert sub._error is None
             sub.ack(s)
             del s
             pub2.submit(_sample(1))
