@@ -671,13 +671,27 @@ def child_bare(args) -> dict:
     layer_ids = sorted({p.teacher_layer for p in cfg.layer_map} | ({L} if head else set()))
     opt = build_optimizer(cfg, model.parameters())
     amp = cfg.mixed_precision == "bf16" and dev.type == "cuda"
-    # Teacher states on the device: one random pool, each batch a view of its first B*T rows.
-    max_rows = max(len(b) * max(len(ids[k]) for k in b) for b in batches)
-    pool = torch.randn(max_rows, len(layer_ids), H, device=dev, dtype=torch.float32)
+    # The student's attention backend and padding rule, where its version has them.
+    cudnn = getattr(cfg, "cudnn_attention", None)
+    if cudnn is not None and dev.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(bool(cudnn))
+    pad_to = 1
+    if cudnn is not None:
+        pad_to = getattr(cfg, "pad_to_multiple_of", None) or (64 if dev.type == "cuda" and cudnn else 1)
+
+    def padded(n: int) -> int:
+        return -(-n // pad_to) * pad_to
+
+    # Teacher states on the device, in the dtype the teacher sends (the loss upcasts, as in the
+    # student): one random pool, each batch a view of its first B*T rows.
+    tdtype = torch.float32 if (run.teacher or {}).get("dtype") == "float32" else torch.bfloat16
+    max_rows = max(len(b) * padded(max(len(ids[k]) for k in b)) for b in batches)
+    pool = torch.randn(max_rows, len(layer_ids), H, device=dev, dtype=torch.float32).to(tdtype)
+    out0 = {"bare_cudnn_attention": cudnn, "bare_pad_to": pad_to, "bare_teacher_dtype": str(tdtype)}
     dev_batches = []
     for b in batches:
         lens = [len(ids[k]) for k in b]
-        T = max(lens)
+        T = padded(max(lens))
         inp = torch.zeros(len(b), T, dtype=torch.long)
         mask = torch.zeros(len(b), T, dtype=torch.bool)
         for i, k in enumerate(b):
@@ -701,7 +715,7 @@ def child_bare(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    out: dict = {"bare_batches_from": how, "bare_batches": len(dev_batches), "device": str(dev)}
+    out: dict = {"bare_batches_from": how, "bare_batches": len(dev_batches), "device": str(dev), **out0}
     if dev.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(0)
     for b in dev_batches[:3]:  # warm-up (kernels, allocator)
@@ -743,7 +757,7 @@ def child_bare(args) -> dict:
         torch.ones(b_fix, t_fix, dtype=torch.bool, device=dev),
         pool[: b_fix * t_fix].view(b_fix, t_fix, len(layer_ids), H)
         if b_fix * t_fix <= max_rows
-        else torch.randn(b_fix, t_fix, len(layer_ids), H, device=dev),
+        else torch.randn(b_fix, t_fix, len(layer_ids), H, device=dev).to(tdtype),
         layer_ids,
         [],
     )
@@ -783,12 +797,12 @@ def child_bare(args) -> dict:
         sync()
         ph["optimizer"] += time.perf_counter() - t
     out["bare_phase_ms_per_step"] = {kk: round(1000 * v / k, 2) for kk, v in ph.items()}
-    # 3) as 1) but each batch built the student's way: host Samples (bf16, all teacher layers, as
-    #    received) -> student.data.collate (host, fp32) -> Batch.to(device) (pageable copy).
+    # 3) as 1) but each batch built the student's way: host Samples (the teacher's dtype, all its
+    #    layers, as received) -> student.data.collate (host) -> Batch.to(device), synchronised.
     n_layers_sent = len(run.teacher["layer_ids"]) if run.teacher else len(layer_ids)
     sent_ids = list(run.teacher["layer_ids"]) if run.teacher else layer_ids
     max_t = max(len(v) for v in ids.values())
-    host_hs = torch.randn(max_t, n_layers_sent, H).to(torch.bfloat16)
+    host_hs = torch.randn(max_t, n_layers_sent, H).to(tdtype)
     samples = {
         k: Sample(
             key=k,
@@ -797,12 +811,21 @@ def child_bare(args) -> dict:
         )
         for k, v in ids.items()
     }
+    import inspect
+
+    params = inspect.signature(collate).parameters  # the student's version: pinned, rounded T
+    collate_kw = {}
+    if "pin_memory" in params:
+        collate_kw["pin_memory"] = dev.type == "cuda"
+    if "pad_to_multiple_of" in params:
+        collate_kw["pad_to_multiple_of"] = pad_to
+    out["bare_with_student_collate_kw"] = collate_kw
     ph2 = collections.defaultdict(float)
     t0 = time.perf_counter()
     n_tok = n = 0
     for bkeys, nt in zip(batches, real_tokens, strict=True):
         t = time.perf_counter()
-        hb = collate([samples[k] for k in bkeys], layer_ids)
+        hb = collate([samples[k] for k in bkeys], layer_ids, **collate_kw)
         t1 = time.perf_counter()
         db = hb.to(dev)
         sync()
