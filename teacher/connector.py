@@ -168,7 +168,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self.use_lock = self.cfg.use_lock
         self.allow_custom_save_path = False
         hf = vllm_config.speculative_config.draft_model_config.hf_config
+        # vLLM collects the extracted layers in execution order (ascending id), whatever the order
+        # of the configured list; every sample is delivered in the CONFIGURED order (its `layers`
+        # names what each slot holds): `_perm[i]` is the cache slot of layer_ids[i].
         self.layer_ids = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
+        self._perm = _layer_perm(self.layer_ids)
+        self._perm_dev: torch.Tensor | None = None  # _perm on the cache's device (CUDA)
 
         # Scheduler-side state
         # req_id -> key/meta/path, from scheduling to finish
@@ -300,6 +305,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             stream.wait_event(ready)  # the copy sees every write of the forward pass
             with torch.cuda.stream(stream), _sync_allowed():
                 rows = _ref.extract_from_kv_cache(kv, slots.to(kv.device, non_blocking=True), num_tokens)
+                if self._perm is not None:
+                    if self._perm_dev is None:
+                        self._perm_dev = self._perm.to(kv.device)
+                    rows = rows.index_select(1, self._perm_dev)  # configured layer order
                 nbytes = rows.numel() * rows.element_size()
                 staging = self._pinned.take(nbytes) if self._pinned is not None else None
                 if staging is not None:
@@ -311,7 +320,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 copy_done.record(stream)
         else:
             # CPU: advanced indexing already gathers into a new tensor; no pinning, streams or events.
-            host = _ref.extract_from_kv_cache(kv, slots, num_tokens).contiguous()
+            host = _ref.extract_from_kv_cache(kv, slots, num_tokens)
+            host = host.index_select(1, self._perm) if self._perm is not None else host.contiguous()
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
             lock_fd = _take_lock(info.path)
@@ -453,6 +463,15 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._sender is not None:
             pinned = self._pinned._count if self._pinned is not None else 0
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
+
+
+def _layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
+    """Cache slot of each configured layer id (the cache holds them in ascending order), or None
+    when the configured order already is ascending (no reordering)."""
+    order = sorted(layer_ids)
+    if order == list(layer_ids):
+        return None
+    return torch.tensor([order.index(x) for x in layer_ids], dtype=torch.long)
 
 
 def _take_lock(path: str) -> int:

@@ -22,7 +22,9 @@ from teacher.config import extraction_engine_args  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-LAYER_IDS = [0, 1, 3, 4]  # 0 = embeddings, 4 = num_hidden_layers (last layer, before the norm)
+# 0 = embeddings, 4 = num_hidden_layers (last layer, before the norm). Deliberately NOT ascending:
+# vLLM collects layers in execution order, the connector delivers them in this (configured) order.
+LAYER_IDS = [4, 0, 3, 1]
 N_ROWS = 12
 
 
@@ -172,7 +174,7 @@ def test_last_layer_is_before_the_final_norm(setup, reference):
     with torch.no_grad():
         normed = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
     ours = g["hs"][:, LAYER_IDS.index(4)]
-    assert (ours - states(ids)[:, -1]).abs().max() <= 1e-4
+    assert (ours - states(ids)[:, LAYER_IDS.index(4)]).abs().max() <= 1e-4
     assert (ours - normed).abs().max() > 0.1  # it really is the un-normed state
     assert (model.model.norm(ours) - normed).abs().max() <= 1e-4  # and the norm maps it there
 
