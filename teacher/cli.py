@@ -22,13 +22,16 @@ SERVE     this process starts its own Publisher (auto_end=False) on the same end
 `teacher.after_generation: exit` skips SERVE: generate now, train offline later (everything not
 committed is in the spool; a later `distill-teacher` with the same config serves it).
 
-Everything that can be wrong with the config, model folder, layer ids, dataset (keys included), the
-journal's lock or the endpoints is checked before vLLM is imported (one line, exit 2).
+Everything that can be wrong with the config, model folder, layer ids, dataset (every row: JSON,
+key, field, text, chat messages, token ids; with on_too_long=fail also the length), the journal's
+lock or the endpoints is checked before vLLM is imported (one line each, exit 2).
 
 Exit codes: 0 every sample committed (after_generation=exit: everything generated and spooled);
 1 the vLLM engine died, or samples are missing (one line with counts; END is never sent); 2 config
 or usage error (before vLLM starts); 3 no student progress for `teacher.student_wait_s` with
-samples left (they are in the spool; the printed command finishes the job); 130 SIGINT/SIGTERM.
+samples left (they are in the spool; the printed command finishes the job); 4 finished as 0 but
+dataset rows were skipped (teacher.on_bad_row / on_too_long: skip; listed in
+`<journal>.skipped.jsonl`, counted in the summary); 130 SIGINT/SIGTERM.
 Every exit after the config check writes `teacher.summary_path` (default `<journal>.summary.json`).
 
 How this process knows what students finished: the Publisher of the GENERATE phase lives in vLLM's
@@ -76,11 +79,12 @@ from teacher.config import (
     load_teacher_config,
     model_num_layers,
 )
-from teacher.data import check_dataset, iter_rows
+from teacher.data import BadRow, check_dataset, iter_rows
 
 log = logging.getLogger("distill.teacher")
 
 EXIT_OK, EXIT_MISSING, EXIT_CONFIG, EXIT_STUDENTS_GONE, EXIT_SIGNAL = 0, 1, 2, 3, 130
+EXIT_SKIPPED = 4  # finished (every usable sample committed / generated), but dataset rows were skipped
 SPOOL_MARGIN_S = 60.0  # engine shutdown: time to spool what is in memory, beyond drain_timeout_s
 
 
@@ -98,14 +102,25 @@ class Stop:
         log.warning("%s: stopping (again to abort)", signal.Signals(signum).name)
 
 
-def preflight(cfg: TeacherConfig) -> list[str]:
-    """Checks that need no vLLM. Returns the dataset keys the run must deliver. Raises ConfigError."""
+def report_bad_row(bad: BadRow) -> None:
+    print(f"distill-teacher: bad row: {bad.line()}", file=sys.stderr, flush=True)
+
+
+def preflight(cfg: TeacherConfig) -> tuple[list[str], list[BadRow]]:
+    """Checks that need no vLLM. Returns the dataset keys the run must deliver and the bad rows
+    skipped (teacher.on_bad_row=skip). Raises ConfigError."""
     num_layers = model_num_layers(cfg.model)
     check_layer_ids(cfg.layer_ids, num_layers)
-    keys = check_dataset(cfg)
+    length = None
+    if cfg.on_too_long == "fail":  # every row tokenized now, so a long one fails before vLLM
+        from teacher.data import Prompter
+
+        prompter = Prompter(cfg)
+        length = lambda row: len(prompter.token_ids(row))  # noqa: E731
+    keys, bad = check_dataset(cfg, report=report_bad_row, length=length)
     if cfg.idle_timeout_s is not None:
         log.warning("teacher.idle_timeout_s is deprecated and ignored (see teacher.student_wait_s)")
-    return keys
+    return keys, bad
 
 
 def check_journal_free(path: str, wait_s: float = 10.0) -> None:
@@ -261,6 +276,8 @@ class Run:
     nbytes: int = 0
     generate_s: float = 0.0
     too_long: set[str] = field(default_factory=set)
+    bad_rows: list = field(default_factory=list)  # BadRow skipped before vLLM (on_bad_row=skip)
+    truncated: int = 0  # rows cut to max_model_len - max_tokens (on_too_long=truncate)
     lost: int = 0  # lost records seen (keys whose student session ended uncommitted)
     regenerated: int = 0  # samples generated more than once by this invocation (lost or missing)
     generated_keys: set[str] = field(default_factory=set)
@@ -296,10 +313,36 @@ class Run:
             "missing": len(left) - in_spool,  # neither committed nor in the spool
         }
 
+    def skipped_path(self) -> Path:
+        """Skipped rows of this invocation, one JSON object a line: key, where, reason."""
+        return Path(f"{self.cfg.journal}.skipped.jsonl")
+
+    def start_skipped_file(self) -> None:
+        p = self.skipped_path()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "w") as f:
+            for b in self.bad_rows:
+                f.write(json.dumps(b.record()) + "\n")
+
+    def skip_too_long(self, key: str, n: int) -> None:
+        self.too_long.add(key)
+        limit = self.cfg.max_model_len - self.cfg.max_tokens
+        reason = f"{n} prompt tokens > max_model_len - max_tokens = {limit}"
+        print(f"distill-teacher: skipped row {key!r}: {reason}", file=sys.stderr, flush=True)
+        with open(self.skipped_path(), "a") as f:
+            f.write(json.dumps({"key": key, "where": None, "reason": reason}) + "\n")
+
+    @property
+    def skipped(self) -> int:
+        return len(self.bad_rows) + len(self.too_long)
+
     def summary_path(self) -> Path:
         return Path(self.cfg.summary_path or f"{self.cfg.journal}.summary.json")
 
     def finish(self, rc: int) -> int:
+        if rc == EXIT_OK and self.skipped:
+            rc = EXIT_SKIPPED
+            self.reason += f"; {self.skipped} rows skipped (see {self.skipped_path()})"
         st = self.state()
         elapsed = time.monotonic() - self.t0
         gen_s = max(self.generate_s, 1e-9)
@@ -317,6 +360,11 @@ class Run:
             "lost": self.lost,
             "regenerated": self.regenerated,
             "too_long": len(self.too_long),
+            "skipped": self.skipped,
+            "skipped_bad_rows": len(self.bad_rows),
+            "skipped_too_long": len(self.too_long),
+            "truncated": self.truncated,
+            "skipped_file": str(self.skipped_path()),
             "students_max": self.students_max,
             "interrupted": self.interrupted,
             "spool_dir": str(self.spool_dir),
@@ -340,7 +388,8 @@ class Run:
             f"generated in {self.generate_s:.1f}s ({self.tokens / gen_s:.0f} tok/s); "
             f"committed {st['committed']}/{st['total']} after {elapsed:.1f}s, "
             f"spooled {st['spooled']} ({_spool_bytes(self.spool_dir) / 1e6:.1f} MB in {self.spool_dir}), "
-            f"already done {self.committed_at_start}, too long {len(self.too_long)}, "
+            f"already done {self.committed_at_start}, skipped {self.skipped} (bad {len(self.bad_rows)}, "
+            f"too long {len(self.too_long)}), truncated {self.truncated}, "
             f"lost {self.lost}, regenerated {self.regenerated}; exit {rc}; summary {path}",
             file=sys.stderr,
         )
@@ -348,9 +397,15 @@ class Run:
 
 
 def run(
-    cfg: TeacherConfig, transport: TransportConfig, spool: SpoolConfig, keys: list[str], command: str
+    cfg: TeacherConfig,
+    transport: TransportConfig,
+    spool: SpoolConfig,
+    keys: list[str],
+    command: str,
+    bad_rows: list[BadRow] = (),
 ) -> int:
-    r = Run(cfg, transport, spool, keys, command)
+    r = Run(cfg, transport, spool, keys, command, bad_rows=list(bad_rows))
+    r.start_skipped_file()
     r.base_tid = transport.teacher_id or f"{socket.gethostname()}-{os.getpid()}"
     r.committed_at_start = len(r.committed() & set(keys))
     stop = Stop()
@@ -543,11 +598,21 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
         prompts, params, keys, n_long = [], [], [], 0
         for key, row in window:
             ids = prompter.token_ids(row)
-            if len(ids) + cfg.max_tokens > cfg.max_model_len:
-                n_long += 1
-                r.too_long.add(key)
-                log.warning("skipping %r: %d prompt tokens > max_model_len - max_tokens", key, len(ids))
-                continue
+            limit = cfg.max_model_len - cfg.max_tokens
+            if len(ids) > limit:
+                if cfg.on_too_long == "truncate":
+                    log.warning("truncating %r: %d prompt tokens to %d", key, len(ids), limit)
+                    ids = ids[:limit]
+                    r.truncated += 1
+                elif cfg.on_too_long == "skip":
+                    n_long += 1
+                    r.skip_too_long(key, len(ids))
+                    continue
+                else:  # fail: checked before vLLM started; the dataset changed since
+                    raise ConfigError(
+                        f"teacher.dataset: row {key!r}: {len(ids)} prompt tokens > max_model_len - "
+                        f"max_tokens = {limit} (teacher.on_too_long=fail)"
+                    )
             kv = {
                 "sample_key": key,
                 "meta": {"prompt_tokens": len(ids)},
@@ -853,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = dict(parse_override(s) for s in args.set)
         runfile = load_run_file(args.config, overrides)
         cfg = load_teacher_config(runfile.teacher)
-        keys = preflight(cfg)
+        keys, bad_rows = preflight(cfg)
         check_journal_free(cfg.journal)
         if cfg.connector_mode == "stream" or cfg.after_generation == "serve":
             check_endpoints_free(runfile.transport)
@@ -861,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        return run(cfg, runfile.transport, runfile.spool, keys, command)
+        return run(cfg, runfile.transport, runfile.spool, keys, command, bad_rows)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -92,7 +92,7 @@ class TeacherConfig(Strict):
     model: str
     # Weights / activations dtype; the hidden states travel in this dtype.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Longest prompt (+ generated tokens) in tokens; longer dataset rows are skipped with a warning.
+    # Longest prompt (+ generated tokens) in tokens; longer rows follow teacher.on_too_long.
     max_model_len: int = Field(2048, gt=0)
     tensor_parallel_size: int = Field(1, gt=0)
     # Layer ids to extract: 0 = embeddings, k = output of decoder layer k-1, L = num_hidden_layers =
@@ -122,8 +122,17 @@ class TeacherConfig(Strict):
     key_field: str | None = "id"
     # HF folders with several splits (DatasetDict): which one.
     split: str = "train"
-    # Use at most this many rows (after skipping what was already delivered: None = all).
+    # Use at most this many rows (the first N of the dataset, bad rows included; None = all).
     max_samples: int | None = Field(None, gt=0)
+    # A row that cannot be used (invalid JSON, no usable field, null/empty text, malformed chat
+    # messages, invalid token ids, bad or duplicate key), found before vLLM starts: fail (exit 2,
+    # one line per bad row) or skip (listed in `<journal>.skipped.jsonl`, counted in the summary,
+    # exit 4 at the end instead of 0).
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    # A row longer than max_model_len - max_tokens tokens: skip (as on_bad_row=skip: listed,
+    # counted, exit 4), truncate (keep the first max_model_len - max_tokens tokens; counted in the
+    # summary) or fail (every row is tokenized before vLLM starts; exit 2 naming the row).
+    on_too_long: Literal["skip", "truncate", "fail"] = "skip"
 
     # Tokens to generate per prompt: 1 = prefill only; > 1 with include_output_tokens for draft-model
     # training data (the generated tokens' states are saved too, except the last one's).

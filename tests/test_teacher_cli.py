@@ -269,8 +269,74 @@ def test_unreadable_dataset_and_no_traceback(assets, tmp_path):
     cfg = _config(tmp_path, model, bad)
     r = _run(cfg)
     assert r.returncode == 2
-    assert "bad.jsonl:2 is not valid JSON" in r.stderr
+    assert f"distill-teacher: bad row: {bad}:2: not valid JSON" in r.stderr
     assert "Traceback" not in r.stderr and "EngineCore" not in r.stderr  # failed before vLLM started
+
+
+def _bad_rows_dataset(tmp_path) -> Path:
+    ds = tmp_path / "bad-rows.jsonl"
+    ds.write_text(
+        '{"id": "good", "text": "fine"}\n'
+        '{"id": "empty", "text": ""}\n'
+        '{"id": "null", "text": null}\n'
+        "{not json\n"
+        '{"id": "type", "text": ["a"]}\n'
+        '{"id": "long", "text": "' + " ".join(["word"] * 40) + '"}\n'
+    )
+    return ds
+
+
+def test_bad_rows_fail_one_line_each_before_vllm(assets, tmp_path):
+    _, model, _ = assets
+    ds = _bad_rows_dataset(tmp_path)
+    r = _run(_config(tmp_path, model, ds, max_model_len=8))
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("distill-teacher: bad row: ")]
+    assert lines == [
+        f"distill-teacher: bad row: {ds}:2 ('empty'): field 'text' is empty",
+        f"distill-teacher: bad row: {ds}:3 ('null'): field 'text' is null",
+        f"distill-teacher: bad row: {ds}:4: not valid JSON (Expecting property name enclosed in double "
+        "quotes: line 1 column 2 (char 1))",
+        f"distill-teacher: bad row: {ds}:5 ('type'): field 'text' must be a string, got list",
+    ]
+    assert (
+        f"distill-teacher: error: teacher.dataset: {ds}:2 ('empty'): field 'text' is empty (and 3 more "
+        in r.stderr
+    )
+    assert "Traceback" not in r.stderr and "EngineCore" not in r.stderr
+    # on_too_long=fail: every row is tokenized before vLLM starts
+    r = _run(
+        _config(tmp_path, model, ds, max_model_len=8, on_bad_row="skip", on_too_long="fail"),
+    )
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"{ds}:6 ('long'): " in r.stderr and "(teacher.on_too_long=fail" in r.stderr
+    assert "Traceback" not in r.stderr and "EngineCore" not in r.stderr
+
+
+def test_skipped_rows_exit_4_with_the_skipped_file_and_summary(assets, tmp_path):
+    """on_bad_row=skip, on_too_long=skip: the run ends (skipped keys are not waited for), exit 4.
+    "good" is committed already, so no row needs vLLM."""
+    _, model, _ = assets
+    ds = _bad_rows_dataset(tmp_path)
+    (tmp_path / "journal.txt").write_text("good\n")
+    cfg = _config(tmp_path, model, ds, max_model_len=8, on_bad_row="skip", after_generation="exit")
+    r = _run(cfg)
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "EngineCore" not in r.stderr and "Traceback" not in r.stderr
+    assert "distill-teacher: skipped row 'long': " in r.stderr
+    s = _summary(cfg)
+    assert (s["exit_code"], s["skipped"], s["skipped_bad_rows"], s["skipped_too_long"]) == (4, 5, 4, 1)
+    assert (s["total"], s["committed"], s["truncated"]) == (1, 1, 0)
+    recs = [json.loads(x) for x in Path(s["skipped_file"]).read_text().splitlines()]
+    assert s["skipped_file"] == str(tmp_path / "journal.txt.skipped.jsonl")
+    assert [(x["key"], x["where"]) for x in recs] == [
+        ("empty", f"{ds}:2"),
+        ("null", f"{ds}:3"),
+        (None, f"{ds}:4"),
+        ("type", f"{ds}:5"),
+        ("long", None),
+    ]
+    assert recs[-1]["reason"].endswith("prompt tokens > max_model_len - max_tokens = 7")
 
 
 def test_missing_config_file(capsys):

@@ -28,7 +28,7 @@ def test_jsonl_text_keys_and_limit(model, tmp_path):
     cfg = _cfg(model, ds, max_samples=4)
     rows = list(iter_rows(cfg))
     assert [k for k, _ in rows] == [f"row-{i:05d}" for i in range(4)]
-    assert len(check_dataset(cfg)) == 4
+    assert len(check_dataset(cfg)[0]) == 4
     p = Prompter(cfg)
     assert p.token_ids(rows[0][1]) == p.tok(rows[0][1]["text"])["input_ids"]
     # No key column: the row number.
@@ -68,15 +68,7 @@ def test_parquet_and_hf_folder(model, tmp_path):
         list(iter_rows(_cfg(model, tmp_path / "hf", split="test")))
 
 
-def test_bad_rows_fail_with_the_row(model, tmp_path):
-    dup = tmp_path / "dup.jsonl"
-    dup.write_text('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n')
-    with pytest.raises(ConfigError, match="key 'a' appears twice"):
-        check_dataset(_cfg(model, dup))
-    nofield = tmp_path / "nf.jsonl"
-    nofield.write_text('{"id": "a", "body": "x"}\n')
-    with pytest.raises(ConfigError, match="has neither 'text' nor 'messages' nor 'input_ids'"):
-        check_dataset(_cfg(model, nofield))
+def test_unreadable_files_fail(model, tmp_path):
     empty = tmp_path / "e.jsonl"
     empty.write_text("")
     with pytest.raises(ConfigError, match="has no rows"):
@@ -86,14 +78,93 @@ def test_bad_rows_fail_with_the_row(model, tmp_path):
         check_dataset(_cfg(model, tmp_path / "x.parquet"))
 
 
-@pytest.mark.parametrize("key", ["a\tb", "a\nb", "!lost", ""])
-def test_keys_the_journal_cannot_hold_are_rejected(model, tmp_path, key):
-    ds = tmp_path / "k.jsonl"
-    ds.write_text(json.dumps({"id": "ok", "text": "x"}) + "\n" + json.dumps({"id": key, "text": "y"}) + "\n")
-    with pytest.raises(
-        ConfigError, match=r"teacher.dataset: row 1 has key .*may not be empty, contain a newline"
-    ):
-        check_dataset(_cfg(model, ds))
+# Each kind of bad row, and its exact line (after "<file>:<line>").
+BAD_ROWS = [
+    ('{"id": "e", "text": ""}', "('e'): field 'text' is empty"),
+    ('{"id": "w", "text": "  \\n "}', "('w'): field 'text' is whitespace only"),
+    ('{"id": "n", "text": null}', "('n'): field 'text' is null"),
+    ("not json", ": not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("[1, 2]", ": not a JSON object (a JSON list)"),
+    ('{"id": "i", "text": 5}', "('i'): field 'text' must be a string, got int"),
+    (
+        '{"id": "b", "body": "x"}',
+        "('b'): has neither 'text' nor 'messages' nor 'input_ids' (columns: ['body', 'id'])",
+    ),
+    ('{"id": "m0", "messages": []}', "('m0'): field 'messages' is an empty list"),
+    (
+        '{"id": "m1", "messages": "hi"}',
+        "('m1'): field 'messages' must be a list of {role, content} messages, got str",
+    ),
+    ('{"id": "m2", "messages": [{"content": "x"}]}', "('m2'): message 0 of 'messages' has no 'role' string"),
+    ('{"id": "m3", "messages": [{"role": "user"}]}', "('m3'): message 0 of 'messages' has no 'content'"),
+    (
+        '{"id": "m4", "messages": [{"role": "user", "content": 3}]}',
+        "('m4'): message 0 of 'messages': 'content' must be a string, got int",
+    ),
+    (
+        '{"id": "m5", "messages": [{"role": "user", "content": ""}]}',
+        "('m5'): field 'messages': every message is empty",
+    ),
+    ('{"id": "t0", "input_ids": []}', "('t0'): field 'input_ids' is an empty list"),
+    (
+        '{"id": "t1", "input_ids": [1, -2, "x", true]}',
+        "('t1'): field 'input_ids' holds invalid token ids [-2, 'x', True] (must be integers >= 0 < vocab_size 4096)",
+    ),
+    (
+        '{"id": "t2", "input_ids": [1, 4096]}',
+        "('t2'): field 'input_ids' holds invalid token ids [4096] (must be integers >= 0 < vocab_size 4096)",
+    ),
+    ('{"id": "ok", "text": "dup"}', "('ok'): key 'ok' appears twice; sample keys must be unique"),
+    (
+        '{"id": "!lost", "text": "x"}',
+        ": key '!lost': sample keys may not be empty, contain a newline or a tab, or start with '!' (the journal holds one key per line)",
+    ),
+    ('{"id": "a\\tb", "text": "x"}', ": key 'a\\tb': sample keys may not be empty"),
+    ('{"id": "", "text": "x"}', ": key '': sample keys may not be empty"),
+]
+
+
+@pytest.mark.parametrize("line, expected", BAD_ROWS, ids=[e.split(":")[0] or row[:10] for row, e in BAD_ROWS])
+def test_each_bad_row_kind_fails_with_file_line_and_reason(model, tmp_path, line, expected):
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"id": "ok", "text": "fine"}\n\n' + line + '\n{"id": "z", "text": "also fine"}\n')
+    lines = []
+    with pytest.raises(ConfigError) as e:
+        check_dataset(_cfg(model, ds), report=lambda b: lines.append(b.line()))
+    assert len(lines) == 1 and lines[0].startswith(f"{ds}:3") and expected in lines[0], lines
+    assert str(e.value) == f"teacher.dataset: {lines[0]}; fix the rows or set teacher.on_bad_row=skip"
+    # skip: the rest of the dataset is used (one invalid JSON line does not stop it)
+    keys, bad = check_dataset(_cfg(model, ds, on_bad_row="skip"))
+    assert keys == ["ok", "z"] and [b.line() for b in bad] == lines
+    assert [k for k, _ in iter_rows(_cfg(model, ds, on_bad_row="skip"))] == ["ok", "z"]
+
+
+def test_good_chat_and_token_rows_pass(model, tmp_path):
+    ds = tmp_path / "g.jsonl"
+    rows = [
+        {"id": "c", "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]},
+        {"id": "t", "input_ids": [0, 5, 4095]},
+        {"id": "x", "text": "안녕 🙂"},
+    ]
+    ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert check_dataset(_cfg(model, ds)) == (["c", "t", "x"], [])
+
+
+def test_too_long_fail_is_checked_before_the_engine(model, tmp_path):
+    ds = tmp_path / "l.jsonl"
+    ds.write_text('{"id": "s", "input_ids": [1, 2]}\n{"id": "L", "input_ids": [1, 2, 3, 4, 5, 6]}\n')
+    cfg = _cfg(model, ds, max_model_len=5, on_too_long="fail")
+    with pytest.raises(ConfigError) as e:
+        check_dataset(cfg, length=len_of(cfg))
+    assert str(e.value) == (
+        f"teacher.dataset: {ds}:2 ('L'): 6 prompt tokens > max_model_len - max_tokens = 4 "
+        "(teacher.on_too_long=fail; or set it to skip or truncate)"
+    )
+
+
+def len_of(cfg):
+    p = Prompter(cfg)
+    return lambda row: len(p.token_ids(row))
 
 
 def test_pre_tokenized_rows_need_no_tokenizer(tmp_path):
