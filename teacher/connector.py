@@ -191,6 +191,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._pinned: _PinnedPool | None = None  # CUDA staging buffers
         self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
+        # Mode spool (no Publisher): the teacher id and sequence numbers the files carry, as a
+        # Publisher would give them (transport.teacher_id, else host-pid-random; seq from 1).
+        self._spool_tid = ""
+        self._spool_seq = 0
         self._closed = False
 
     def get_finished_count(self) -> int:
@@ -275,6 +279,13 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             )
             self._publisher.start()
             logger.info("Distill publisher bound to %s", ", ".join(self.cfg.transport.bind))
+        else:
+            import secrets
+            import socket
+
+            self._spool_tid = self.cfg.transport.teacher_id or (
+                f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+            )
         self._queue = queue.Queue(maxsize=self.cfg.queue_samples)
         self._sender = threading.Thread(target=self._send_loop, name="distill-sender", daemon=True)
         self._sender.start()
@@ -396,6 +407,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         meta.setdefault("num_tokens", int(hs.shape[0]))
         sample = Sample(key=job.info.key, tensors=tensors, layers=list(self.layer_ids), meta=meta)
         if self._publisher is None:
+            self._spool_seq += 1  # sender thread only
+            sample.teacher, sample.seq = self._spool_tid, self._spool_seq
             where = str(write_sample(self.cfg.spool.dir, sample))
         else:
             where = self._publisher.submit(sample, slot=slot)

@@ -588,3 +588,31 @@ def test_engine_killed_mid_run_exits_1_and_never_sends_end(assets, tmp_path):
     s = _summary(cfg)
     assert s["exit_code"] == 1 and s["reason"].startswith("engine died")
     assert 3 <= s["committed"] < 64 and s["not_committed"] == 64 - s["committed"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_connector_mode_spool_files_carry_teacher_id_and_seq_and_truncate(assets, tmp_path):
+    """connector_mode: spool (no sockets in the engine): every sample is a file carrying the
+    generate phase's teacher id and a real, distinct seq; on_too_long: truncate cuts long rows."""
+    pytest.importorskip("vllm")
+    _, model, data = assets
+    cfg = _config(
+        tmp_path,
+        model,
+        data,
+        after_generation="exit",
+        connector_mode="spool",
+        max_model_len=16,
+        on_too_long="truncate",
+    )
+    r = _run(cfg, "transport.teacher_id=tspool", "teacher.max_samples=5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = _summary(cfg)
+    assert (s["samples"], s["spooled"], s["skipped"]) == (5, 5, 0) and s["truncated"] > 0
+    got = [read_spool_file(p) for p in list_spool(tmp_path / "spool")]
+    assert len(got) == 5
+    assert {x.teacher for x in got} == {"tspool-gen0"}
+    assert sorted(x.seq for x in got) == [1, 2, 3, 4, 5]
+    assert all(x.layers == [1, 2, 4] and x.tensors["token_ids"].numel() <= 15 for x in got)
+    assert max(x.tensors["token_ids"].numel() for x in got) == 15  # truncated rows: exactly the limit
