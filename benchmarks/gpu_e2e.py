@@ -372,16 +372,21 @@ def run_e2e(args, work: Path, cfg_path: Path, cfg: dict, res: dict) -> None:
             rt, rs = teacher.poll(), student.poll()
             if rt is not None and rs is not None:
                 break
-            if (rt not in (None, 0)) or (rs not in (None, 0)):
-                reason = f"{'teacher' if rt not in (None, 0) else 'student'} failed (exit {rt if rt not in (None, 0) else rs})"
+            t_ok = rt in (0, 4)  # 4: the teacher finished with bad rows skipped
+            t_bad = rt is not None and not t_ok
+            s_bad = rs not in (None, 0)
+            if t_bad or s_bad:
+                reason = f"{'teacher' if t_bad else 'student'} failed (exit {rt if t_bad else rs})"
                 log(reason + ": stopping the other side")
                 time.sleep(2.0)
                 break
-            if (rt == 0 or rs == 0) and ended_well_at is None:
+            if (t_ok or rs == 0) and ended_well_at is None:
                 ended_well_at = time.monotonic()
-                log(f"{'teacher' if rt == 0 else 'student'} exited 0; the other gets {args.grace_s:.0f}s")
+                log(
+                    f"{'teacher' if t_ok else 'student'} exited {rt if t_ok else 0}; the other gets {args.grace_s:.0f}s"
+                )
             if ended_well_at is not None and time.monotonic() - ended_well_at > args.grace_s:
-                reason = f"{'student' if rt == 0 else 'teacher'} still running {args.grace_s:.0f}s after the other exited 0"
+                reason = f"{'student' if t_ok else 'teacher'} still running {args.grace_s:.0f}s after the other ended"
                 log(reason + ": stopping it")
                 break
             if time.monotonic() > deadline:
@@ -397,6 +402,7 @@ def run_e2e(args, work: Path, cfg_path: Path, cfg: dict, res: dict) -> None:
         student.stop(signal.SIGTERM, grace=10)
     res["e2e_end_reason"] = reason
     res["teacher_rc"] = teacher.p.returncode
+    res["t_teacher_exit"] = teacher.t_end
     res["student_rc"] = student.p.returncode
     res["teacher_killed"] = teacher.killed
     res["student_killed"] = student.killed
@@ -580,6 +586,11 @@ def read_results(args, work: Path, res: dict, expected_keys: list[str]) -> None:
         res["spool_files_left"] = len(files)
         res["spool_bytes_left"] = sum(f.stat().st_size for f in files if f.exists())
     tg, tf = res.get("t_teacher_generating"), res.get("t_first_step")
+    # The teacher's time after generation (drain, serve phase, shutdown) = waiting for students:
+    # exit - engine ready - generate time (the same for old and new teachers).
+    if tg and res.get("t_teacher_exit") and res.get("teacher_gen_s") is not None:
+        res["teacher_wait_s"] = round(res["t_teacher_exit"] - tg - float(res["teacher_gen_s"]), 2)
+        res["teacher_wait_s_from"] = "teacher exit - engine ready - generate time"
     if tf and tg:
         res["time_to_first_step_s"] = round(tf - tg, 2)
     if tf and res.get("t_launch"):
