@@ -122,6 +122,12 @@ class StudentConfig(Strict):
     checkpoint_keep: int = Field(2, ge=0)
     # Resume from a checkpoint folder, or "latest" (the newest in checkpoint_dir; fresh start if none).
     resume_from: str | None = None
+    # Seconds a collective (the per-step agreement, DDP's gradient all-reduce, a checkpoint barrier)
+    # may wait for the other ranks before it fails (Accelerate's InitProcessGroupKwargs). A rank
+    # whose host vanished without closing its connections is noticed after this long; one whose
+    # process died at once. Either way every surviving rank exits 4 with one line (README, "Lost
+    # nodes"). Keep it well above any pause a rank may take (a long checkpoint save, a frozen rank).
+    collective_timeout_s: float = Field(600.0, gt=0)
     # Log every N optimizer steps (main process).
     log_every: int = Field(10, gt=0)
     # Accelerate trackers, e.g. [tensorboard].

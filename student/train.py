@@ -25,15 +25,18 @@ import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import time
+import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator, DistributedDataParallelKwargs
+from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.logging import get_logger
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -58,9 +61,25 @@ from student.data import (
 )
 from student.ledger import Ledger
 from student.model import DistillModel, TeacherHead, load_student, teacher_config
+from student.multinode import (
+    COMPLETE,
+    PeerTable,
+    choose_resume,
+    first_line,
+    is_peer_failure,
+    local_address,
+    local_checkpoints,
+    needed_files,
+    set_gloo_ifname,
+)
 
 logger = get_logger(__name__)
 TERMS = ("mse", "cosine", "nmse", "kl", "ce")
+EXIT_PEER_LOST = 4  # a peer rank (another node) is gone: every surviving rank exits with this code
+
+
+# What a surviving rank needs to say when a peer is gone (filled in by training_function).
+_RUN: dict = {}
 
 
 def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConfig, teacher_last: int | None):
@@ -113,39 +132,108 @@ def build_optimizer(cfg: StudentConfig, params):
     return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def resolve_resume(cfg: StudentConfig) -> Path | None:
+def resolve_resume(cfg: StudentConfig, rank: int, world: int, where: list[str]) -> Path | None:
+    """The checkpoint folder this rank loads (collective when world > 1; the same step on every rank).
+
+    "latest": the newest step that is complete on every rank's own storage (shared or per node);
+    a fresh start when no rank has one; StudentError (one line) when some ranks have checkpoints
+    but no step is complete on all of them. A folder: every rank must find the files it needs."""
     if cfg.resume_from is None:
         return None
+    ckpt_dir = Path(cfg.ckpt_dir)
     if cfg.resume_from == "latest":
-        latest = Path(cfg.ckpt_dir) / "latest"
-        return Path(cfg.ckpt_dir) / latest.read_text().strip() if latest.is_file() else None
+        mine = local_checkpoints(ckpt_dir, rank)
+        per_rank = gather_object([mine]) if world > 1 else [mine]
+        step, why = choose_resume(per_rank, where)
+        if why:
+            raise StudentError(why)
+        return None if step is None else ckpt_dir / per_rank[rank][step]
     p = Path(cfg.resume_from)
-    if not p.is_dir():
-        raise StudentError(f"student.resume_from {cfg.resume_from!r} is not a checkpoint folder")
+    missing = needed_files(p, rank) if p.is_dir() else ["the folder"]
+    per_rank = gather_object([missing]) if world > 1 else [missing]
+    bad = [f"rank {r} on {where[r]} lacks {', '.join(m)}" for r, m in enumerate(per_rank) if m]
+    if bad:
+        raise StudentError(
+            f"cannot resume from {cfg.resume_from!r}: {'; '.join(bad)} (without a shared filesystem "
+            "each node must hold the whole checkpoint: resume_from: latest finds it)"
+        )
     return p
+
+
+def probe_storage(accelerator: Accelerator, ckpt_dir: Path) -> bool:
+    """Whether every node keeps checkpoints on storage of its own (True) or all share one (False).
+
+    Each node's local main process writes a probe file into checkpoint_dir; a node that sees only
+    its own probe has private storage. Mixed answers (some nodes share, some do not) are an error."""
+    world = accelerator.num_processes
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // max(1, local_world))
+    if nodes <= 1:
+        return False
+    token = broadcast_object_list([uuid.uuid4().hex if accelerator.is_main_process else None])[0]
+    probe = ckpt_dir / f".probe-{token}-{accelerator.process_index}"
+    if accelerator.is_local_main_process:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text(socket.gethostname())
+    accelerator.wait_for_everyone()
+    seen = len(list(ckpt_dir.glob(f".probe-{token}-*"))) if accelerator.is_local_main_process else -1
+    counts = [c for c in gather_object([seen]) if c >= 0]
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process:
+        probe.unlink(missing_ok=True)
+    if all(c == nodes for c in counts):
+        return False
+    if all(c == 1 for c in counts):
+        return True
+    raise StudentError(
+        f"student.checkpoint_dir {ckpt_dir} is shared by some nodes but not by others (each node's "
+        f"local main process sees {counts} of {nodes} probe files): use shared storage on every node or on none"
+    )
 
 
 def training_function(cfg: StudentConfig, run, args) -> None:
     # cpu=True on a machine without CUDA is what makes `--multi_gpu --num_processes N` join a gloo
     # group (NOTES.md). DDP's find_unused_parameters is set below, once the model is known.
     ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=True)
+    # Multi-node: gloo binds to the interface of the route to the main process unless
+    # GLOO_SOCKET_IFNAME says otherwise (the hostname may resolve to 127.0.0.1).
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        set_gloo_ifname(lambda m: print(f"student: {m}", file=sys.stderr, flush=True))
+    else:
+        set_gloo_ifname(lambda m: None)
+    collective_timeout = timedelta(seconds=cfg.collective_timeout_s)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=cfg.mixed_precision,
         log_with=list(cfg.trackers) or None,
-        project_dir=cfg.output_dir,
-        kwargs_handlers=[ddp_kwargs],
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir),
+        kwargs_handlers=[ddp_kwargs, InitProcessGroupKwargs(timeout=collective_timeout)],
     )
     rank, world = accelerator.process_index, accelerator.num_processes
     device = accelerator.device
     on_gpu = device.type != "cpu"
+    # Who is where: the line a surviving rank prints names the host that is gone.
+    me = (rank, socket.gethostname(), local_address())
+    peers = PeerTable(gather_object([me]) if world > 1 else [me])
+    where = [f"{h} ({a})" for _, h, a in peers.entries]
+    progress = {"trained": 0, "ckpt": None, "ckpt_samples": 0}
+    _RUN.update(peers=peers, rank=rank, world=world, cfg=cfg, args=args, progress=progress)
     # The loop's control collectives (flags, key hashes) carry a few integers: on a GPU they go
     # through a gloo group on the CPU, so that agreeing on the next micro-batch never waits for
     # the GPU to finish the current step (an NCCL gather read back with .cpu() would).
-    ctl_group = dist.new_group(backend="gloo") if on_gpu and world > 1 else None
+    ctl_group = dist.new_group(backend="gloo", timeout=collective_timeout) if on_gpu and world > 1 else None
     set_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
     ckpt_dir = Path(cfg.ckpt_dir)
+    # Without a shared filesystem every node saves the whole checkpoint and keeps its own `latest`.
+    per_node = probe_storage(accelerator, ckpt_dir) if world > 1 else False
+    accelerator.project_configuration.save_on_each_node = per_node
+    if per_node and accelerator.is_local_main_process:
+        logger.info(
+            "checkpoint_dir %s is not shared between nodes: every node saves whole checkpoints",
+            ckpt_dir,
+            main_process_only=False,
+        )
 
     # --- model: student, projections, frozen teacher head ---
     tconf = teacher_config(cfg)
@@ -197,12 +285,18 @@ def training_function(cfg: StudentConfig, run, args) -> None:
     ledger = Ledger()
     accelerator.register_for_checkpointing(scheduler, ledger)
 
-    resume = resolve_resume(cfg)
+    resume = resolve_resume(cfg, rank, world, where)
     if resume is not None:
         accelerator.load_state(str(resume))
-        logger.info(
-            "resumed from %s at step %d (%d samples trained)", resume, ledger.step, len(ledger.trained)
-        )
+        progress.update(ckpt=str(resume), ckpt_samples=len(ledger.trained))
+        if accelerator.is_local_main_process:  # one line per node: each may read its own storage
+            logger.info(
+                "resumed from %s at step %d (%d samples trained)",
+                resume,
+                ledger.step,
+                len(ledger.trained),
+                main_process_only=False,
+            )
     step = ledger.step
     if cfg.max_steps is not None and step >= cfg.max_steps:
         logger.info("checkpoint is already at max_steps=%d", cfg.max_steps)
@@ -322,8 +416,9 @@ def training_function(cfg: StudentConfig, run, args) -> None:
         nonlocal last_ckpt
         publish(everything=True)  # the ledger's history is saved with the checkpoint
         if step > last_ckpt:
-            save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
+            save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep, per_node)
             last_ckpt = step
+            progress.update(ckpt=str(ckpt_dir / f"step_{step:07d}"), ckpt_samples=len(ledger.trained))
         source.commit()  # every rank passed save_checkpoint's final barrier: the save is complete
 
     try:
@@ -432,6 +527,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
                 ledger.record([s.key for s in pending], rank, step)
                 trained_h |= claimed_h
                 claimed_h.clear()
+                progress["trained"] = len(trained_h)
                 pending, dup_wait, micro, synced = [], [], 0, True
 
                 # Metrics: global token-weighted means (one all-reduce per step, queued on the device;
@@ -486,7 +582,7 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             checkpoint()
         if gone is not None:
             if cfg.checkpoint_every and step > last_ckpt:  # saved, not committed: no teacher to tell
-                save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep)
+                save_checkpoint(accelerator, ledger, ckpt_dir, step, cfg.checkpoint_keep, per_node)
             raise TeacherGoneError(gone_message(gone, len(trained_h), cfg, run, args))
     except BaseException:
         source.close()  # says BYE: the teacher redelivers what this rank held, at once
@@ -542,18 +638,46 @@ def gone_message(why: str, trained: int, cfg: StudentConfig, run, args) -> str:
     )
 
 
+def restart_command(args) -> str:
+    sets = "".join(f" --set {s}" for s in args.set if not s.startswith("student.resume_from="))
+    return (
+        f"accelerate launch <the same launch options> student.py --config {args.config}{sets} "
+        f"--set student.resume_from=latest"
+    )
+
+
+def peer_lost_message(exc: BaseException) -> str:
+    """The one line a surviving rank prints when another rank is gone (exit code 4)."""
+    peers, rank, cfg, prog = _RUN["peers"], _RUN["rank"], _RUN["cfg"], _RUN["progress"]
+    ckpt = (
+        f"{prog['ckpt_samples']} of them in checkpoint {prog['ckpt']}"
+        if prog["ckpt"]
+        else "none in a checkpoint" + ("" if cfg.checkpoint_every else " (student.checkpoint_every is 0)")
+    )
+    return (
+        f"rank {rank}: lost {peers.gone(exc, rank)}: {first_line(exc)}; this job trained "
+        f"{prog['trained']} samples, {ckpt}; the teacher sends the rest again: restart the students on "
+        f"every node with `{restart_command(_RUN['args'])}`"
+    )
+
+
 def flatten(gathered: list) -> list:
     """gather_object([entries]) returns one entry list per rank; concatenate them."""
     return [e for per_rank in gathered for e in per_rank]
 
 
-def save_checkpoint(accelerator: Accelerator, ledger: Ledger, ckpt_dir: Path, step: int, keep: int) -> None:
-    """save_state (model, optimizer, RNG, scheduler, ledger), then point `latest` at it atomically."""
+def save_checkpoint(
+    accelerator: Accelerator, ledger: Ledger, ckpt_dir: Path, step: int, keep: int, per_node: bool = False
+) -> None:
+    """save_state (model, optimizer, RNG, scheduler, ledger), mark the folder complete and point
+    `latest` at it atomically. per_node: no shared storage; every node's local main process saves
+    the model, optimizer and ledger (save_on_each_node), marks, points and prunes on its node."""
     ledger.merge(flatten(gather_object([ledger.local])))  # every rank now holds every rank's keys
     path = ckpt_dir / f"step_{step:07d}"
     accelerator.save_state(str(path))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if accelerator.is_local_main_process if per_node else accelerator.is_main_process:
+        (path / COMPLETE).write_text("")  # every rank's files are in (the barrier above)
         tmp = ckpt_dir / ".latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, ckpt_dir / "latest")
@@ -623,6 +747,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"student error: {e}", file=sys.stderr, flush=True)
         keep_alive = e  # noqa: F841 (its traceback holds the training frame's objects)
         code = 2
+    except Exception as e:
+        # A collective failed because another rank (node) is gone: one line on every surviving
+        # rank, exit 4; the documented restart finishes the job. Anything else: a traceback.
+        if not (_RUN.get("world", 1) > 1 and is_peer_failure(e)):
+            raise
+        print(f"student stopped: {peer_lost_message(e)}", file=sys.stderr, flush=True)
+        keep_alive = e  # noqa: F841
+        code = EXIT_PEER_LOST
     # Leave without the interpreter's teardown. Freeing the DDP model destroys gloo's process group,
     # whose destructor joins worker threads while holding the GIL; a worker that needs the GIL to
     # release a tensor then deadlocks it (seen in CI: ~ProcessGroupGloo -> thread::join, worker in

@@ -654,3 +654,97 @@ def test_student_from_a_checkpoint_folder(tmp_path):
                 StudentConfig, {**cfg.model_dump(exclude={"from_config"}), "model": str(tmp_path / "no")}
             )
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-node helpers (student/multinode.py): gloo interface, lost peers, checkpoints per node
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gloo_ifname_left_alone_for_one_host_or_when_set():
+    from student.multinode import pick_gloo_ifname
+
+    assert (
+        pick_gloo_ifname({"GLOO_SOCKET_IFNAME": "eth9", "MASTER_ADDR": "10.0.0.1", "WORLD_SIZE": "2"})[0]
+        is None
+    )
+    assert pick_gloo_ifname({"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2"})[0] is None
+    assert pick_gloo_ifname({"MASTER_ADDR": "10.0.0.1", "WORLD_SIZE": "1"})[0] is None
+
+
+def test_gloo_ifname_is_the_interface_of_the_route_to_the_master():
+    import psutil
+
+    from student.multinode import pick_gloo_ifname
+
+    # An address of this machine that is not loopback: its route's source is itself.
+    addrs = [
+        (n, a.address)
+        for n, al in psutil.net_if_addrs().items()
+        for a in al
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
+    if not addrs:
+        pytest.skip("no non-loopback IPv4 address here")
+    name, ip = addrs[0]
+    got, why = pick_gloo_ifname({"MASTER_ADDR": ip, "WORLD_SIZE": "2"})
+    assert got == name, why
+
+
+def test_peer_failure_is_recognised_and_names_the_lost_host():
+    from student.multinode import PeerTable, first_line, is_peer_failure
+
+    e = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "
+        "[10.1.0.3]:29925. This is typically caused by a remote worker crashing."
+    )
+    assert is_peer_failure(e)
+    assert not is_peer_failure(RuntimeError("CUDA out of memory"))
+    assert not is_peer_failure(ValueError("Connection closed by peer"))
+    t = PeerTable([(0, "a", "10.1.0.2"), (1, "a", "10.1.0.2"), (2, "b", "10.1.0.3"), (3, "b", "10.1.0.3")])
+    assert t.gone(e, 0) == "rank 2,3 on host b (10.1.0.3)"
+    assert first_line(e) == "Connection closed by peer [10.1.0.3]:29925"
+    assert "rank 2,3 on host b" in t.gone(RuntimeError("Timed out waiting 600000ms for recv"), 0)
+
+
+def _fake_ckpt(d: Path, step: int, ranks, complete=True, latest=False):
+    p = d / f"step_{step:07d}"
+    p.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"):
+        (p / name).write_bytes(b"x")
+    for r in ranks:
+        (p / f"random_states_{r}.pkl").write_bytes(b"x")
+    if complete:
+        (p / ".complete").write_text("")
+    if latest:
+        (d / "latest").write_text(p.name)
+    return p
+
+
+def test_resume_picks_the_newest_step_complete_on_every_rank(tmp_path):
+    from student.multinode import choose_resume, local_checkpoints
+
+    n0, n1 = tmp_path / "node0", tmp_path / "node1"  # checkpoint folders on two nodes' own disks
+    _fake_ckpt(n0, 4, [0])
+    _fake_ckpt(n0, 8, [0], latest=True)
+    _fake_ckpt(n1, 4, [1])
+    _fake_ckpt(n1, 8, [1], complete=False)  # the node died while saving step 8
+    per_rank = [local_checkpoints(n0, 0), local_checkpoints(n1, 1)]
+    assert per_rank == [{4: "step_0000004", 8: "step_0000008"}, {4: "step_0000004"}]
+    assert choose_resume(per_rank, ["a", "b"]) == (4, None)
+    assert choose_resume([{}, {}], ["a", "b"]) == (None, None)  # fresh start
+
+
+def test_resume_refuses_a_partial_checkpoint_with_one_line(tmp_path):
+    """The old layout on a second node: only random_states_1.pkl (the main process wrote the rest
+    on node 0): rank 1 cannot load it, so the run refuses instead of starting rank 1 at step 0."""
+    from student.multinode import choose_resume, local_checkpoints
+
+    n0, n1 = tmp_path / "node0", tmp_path / "node1"
+    _fake_ckpt(n0, 8, [0, 1], latest=True)
+    (n1 / "step_0000008").mkdir(parents=True)
+    (n1 / "step_0000008" / "random_states_1.pkl").write_bytes(b"x")
+    per_rank = [local_checkpoints(n0, 0), local_checkpoints(n1, 1)]
+    step, why = choose_resume(per_rank, ["a (10.0.0.2)", "b (10.0.0.3)"])
+    assert step is None and "\n" not in why
+    assert "cannot resume" in why and "rank 1 on b (10.0.0.3): none" in why
