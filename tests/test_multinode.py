@@ -1,0 +1,332 @@
+"""Multi-node student runs over tcp, with network namespaces as hosts (issue 14).
+
+Hosts are network namespaces on one bridge (tests/faults.Hosts): a teacher host (or two) and two
+student hosts, each with a /dev/shm of its own (a private tmpfs: no shared memory crosses hosts, so
+every frame travels over tcp). The students are one Accelerate job over two machines
+(`--num_machines 2 --machine_rank R --main_process_ip <s0>`, one rank per host); GLOO_SOCKET_IFNAME
+is not set: the student picks the interface of the route to the main process itself.
+
+Rows (each asserts, from the final metrics.json `trained` list: trained == expected, lost == 0,
+twice == 0, and that every process ended by itself with its documented exit code):
+- one teacher host, two student hosts, one shared checkpoint folder;
+- two teachers, each holding half of the dataset, feeding the same students;
+- one student host killed (its whole process tree SIGKILLed) with checkpoints on each node's own
+  storage: the surviving node exits 4 by itself with one line, the documented restart command
+  (`--set student.resume_from=latest` on both nodes) finishes the job.
+
+Each row prints "NETNS <row>: expected=... trained=... twice=... lost=... (N s) ended_by_itself=True".
+Skipped (with the reason) where network namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import faults
+import pytest
+import yaml
+from faults import Procs, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+BIN = Path(PY).parent
+LAYERS = [2, 4]
+HB = 3.0
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog and runs far away into the woods",
+    "a student learns from a teacher one hidden state at a time",
+    "networks of namespaces make hosts out of thin air on one machine",
+    "every sample is trained exactly once even when a node is lost",
+    "checkpoints live on each node when there is no shared filesystem",
+    "gloo needs to know which interface to use for its pairs",
+    "short text",
+    "one more line of text so that the batches differ in length from one another",
+]
+
+
+def dataset(path: Path, keys: list[str]) -> Path:
+    path.write_text(
+        "".join(json.dumps({"id": k, "text": TEXTS[i % len(TEXTS)]}) + "\n" for i, k in enumerate(keys))
+    )
+    return path
+
+
+def run_file(
+    tmp: Path,
+    teacher_model: Path,
+    binds: list[str],
+    student: dict | None = None,
+    transport: dict | None = None,
+) -> Path:
+    cfg = {
+        "transport": {
+            "bind": binds[:1],
+            "connect": binds,
+            "credit_samples": 8,
+            "connect_timeout_s": 120,
+            "heartbeat_interval_s": 0.5,
+            "heartbeat_timeout_s": HB,
+            "teacher_wait_s": 300,
+            "shm_dir": "/dev/shm",
+            "shm_bytes": 16 << 20,
+            **(transport or {}),
+        },
+        "spool": {"dir": str(tmp / "spool")},
+        "student": {
+            "from_config": {
+                "model_type": "qwen3",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "vocab_size": 1024,
+                "tie_word_embeddings": False,
+            },
+            "teacher_model": str(teacher_model),
+            "layer_map": [
+                {"student_layer": 1, "teacher_layer": 2, "weight": 1.0},
+                {"student_layer": 2, "teacher_layer": 4, "weight": 1.0},
+            ],
+            "losses": {"nmse": 1.0, "kl": 1.0},
+            "max_tokens_per_batch": 512,
+            "max_samples_per_batch": 2,
+            "idle_flush_s": 0.5,
+            "lr": 1.0e-2,
+            "output_dir": str(tmp / "out"),
+            "checkpoint_every": 4,
+            "log_every": 8,
+            **(student or {}),
+        },
+    }
+    p = tmp / "run.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def env() -> dict:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    e.pop("GLOO_SOCKET_IFNAME", None)  # the student must find the interface itself
+    return e
+
+
+def start_teacher(procs: Procs, name: str, hosts, host: str, model: Path, data: Path, run: Path, *extra):
+    cmd = [PY, "-m", "student.synthetic_teacher", "--model", str(model), "--data", str(data)]
+    cmd += ["--layers", ",".join(map(str, LAYERS)), "--config", str(run), "--timeout", "500", *extra]
+    return procs.start(name, cmd, env=env(), prefix=hosts.prefix(host, private_shm=True))
+
+
+def start_node(procs: Procs, hosts, host: str, machine_rank: int, run: Path, port: int, *sets: str):
+    """One machine of a two-machine Accelerate job (one rank per machine; main process on s0)."""
+    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--num_machines", "2", "--machine_rank", str(machine_rank)]
+    cmd += ["--main_process_ip", hosts.addr["s0"], "--main_process_port", str(port)]
+    cmd += ["student.py", "--config", str(run)]
+    for s in sets:
+        cmd += ["--set", s]
+    return procs.start(f"students-{host}", cmd, env=env(), prefix=hosts.prefix(host, private_shm=True))
+
+
+def tally(metrics: Path, expected: set[str]) -> dict:
+    m = json.loads(metrics.read_text())
+    counts = collections.Counter(e[0] for e in m["trained"])
+    return {
+        "expected": len(expected),
+        "trained": len(set(counts) & expected),
+        "twice": sum(1 for c in counts.values() if c > 1),
+        "lost": len(expected - set(counts)),
+        "unexpected": len(set(counts) - expected),
+        "per_rank": dict(sorted(collections.Counter(e[1] for e in m["trained"]).items())),
+    }
+
+
+def report(row: str, metrics: Path, expected: set[str], t0: float, procs: Procs, **extra) -> dict:
+    t = tally(metrics, expected)
+    left = procs.leftovers()
+    t.update(seconds=round(time.monotonic() - t0, 1), ended_by_itself=not left, **extra)
+    print(f"NETNS {row}: {json.dumps(t)}")
+    out = os.environ.get("MULTINODE_REPORT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps({"row": row, **t}) + "\n")
+    assert t["twice"] == 0 and t["lost"] == 0 and t["trained"] == len(expected) and not t["unexpected"], t
+    assert not left, f"{row}: processes still running: {[p.pid for p in left]}"
+    return t
+
+
+def alive_or_fail(*ps):
+    def check():
+        for p in ps:
+            if not p.alive():
+                raise AssertionError(f"{p.name} ended early (exit {p.poll()}); log tail:\n{p.tail()}")
+
+    return check
+
+
+def committed(journal: Path) -> set[str]:
+    return faults.journal_state(journal)[0]
+
+
+def finish(jobs, teachers, timeout: float = 400) -> dict:
+    codes = {}
+    for j in jobs:
+        j.wait(timeout)
+        codes[j.name] = j.student_exit()
+    assert all(c == 0 for c in codes.values()), f"{codes}\n" + "\n".join(p.tail(3000) for p in jobs)
+    for t in teachers:
+        codes[t.name] = t.wait(120)
+    assert all(c == 0 for c in codes.values()), f"{codes}\n" + "\n".join(
+        p.tail(3000) for p in (*jobs, *teachers)
+    )
+    return codes
+
+
+def make_hosts(procs, names):
+    why = faults.netns_available()
+    if why:
+        pytest.skip(f"multi-node tests need network namespaces: {why}")
+    return faults.Hosts(names)
+
+
+@pytest.fixture
+def hosts3(procs):
+    h = make_hosts(procs, ["t", "s0", "s1"])
+    try:
+        yield h
+    finally:
+        procs.kill_all()  # nothing may stay inside a namespace that is deleted
+        h.close()
+
+
+@pytest.fixture
+def hosts4(procs):
+    h = make_hosts(procs, ["t0", "t1", "s0", "s1"])
+    try:
+        yield h
+    finally:
+        procs.kill_all()
+        h.close()
+
+
+def test_two_student_hosts_one_teacher_every_key_once(procs, hosts3, tmp_path, tiny_teacher):
+    """One teacher host, one Accelerate job over two student hosts (tcp only, private /dev/shm),
+    one checkpoint folder both nodes see (the probe finds it shared); gloo's interface is picked by
+    the student (GLOO_SOCKET_IFNAME unset)."""
+    keys = [f"a{i:04d}" for i in range(96)]
+    data = dataset(tmp_path / "data.jsonl", keys)
+    port = faults.free_port()
+    run = run_file(tmp_path, tiny_teacher, [f"tcp://{hosts3.addr['t']}:{port}"])
+    t0 = time.monotonic()
+    teacher = start_teacher(
+        procs, "teacher", hosts3, "t", tiny_teacher, data, run, "--journal", str(tmp_path / "j.txt")
+    )
+    mport = faults.free_port()
+    jobs = [start_node(procs, hosts3, h, r, run, mport) for r, h in enumerate(["s0", "s1"])]
+    codes = finish(jobs, [teacher])
+    for j in jobs:
+        assert "gloo process group on interface eth0" in j.text(), j.tail()
+    assert "not shared between nodes" not in jobs[0].text()
+    report(
+        "one teacher, two student hosts", tmp_path / "out" / "metrics.json", set(keys), t0, procs, exit=codes
+    )
+
+
+def test_two_teachers_each_half_two_student_hosts(procs, hosts4, tmp_path, tiny_teacher):
+    """Two teacher hosts, each holding half of the dataset (own journal), feeding the same two
+    student hosts: every key of both halves trained exactly once."""
+    keys = [f"b{i:04d}" for i in range(96)]
+    halves = [keys[::2], keys[1::2]]
+    port = faults.free_port()
+    binds = [f"tcp://{hosts4.addr[t]}:{port}" for t in ("t0", "t1")]
+    # Two teachers with journals of their own: one run id for all (else each keeps its own).
+    run = run_file(tmp_path, tiny_teacher, binds, transport={"run_id": "two-teachers"})
+    t0 = time.monotonic()
+    teachers = []
+    for i, t in enumerate(("t0", "t1")):
+        data = dataset(tmp_path / f"half{i}.jsonl", halves[i])
+        teachers.append(
+            start_teacher(
+                procs,
+                f"teacher-{t}",
+                hosts4,
+                t,
+                tiny_teacher,
+                data,
+                run,
+                "--journal",
+                str(tmp_path / f"j{i}.txt"),
+                "--set",
+                f"transport.bind=[{binds[i]}]",
+            )
+        )
+    mport = faults.free_port()
+    jobs = [start_node(procs, hosts4, h, r, run, mport) for r, h in enumerate(["s0", "s1"])]
+    codes = finish(jobs, teachers)
+    report(
+        "two teachers (half each), two student hosts",
+        tmp_path / "out" / "metrics.json",
+        set(keys),
+        t0,
+        procs,
+        exit=codes,
+    )
+
+
+def test_student_host_killed_survivor_exits_4_restart_finishes(procs, hosts3, tmp_path, tiny_teacher):
+    """Checkpoints on each node's own storage (different checkpoint folders: no shared filesystem).
+    Host s1's whole student process tree is SIGKILLed after a few checkpoints: the job on s0 must
+    exit by itself with code 4 and one line naming the lost rank and host and the restart command;
+    that command on both hosts (resume_from=latest, each node from its own checkpoints) finishes the
+    job with every key trained exactly once (the teacher regenerates keys acked but not committed)."""
+    keys = [f"c{i:04d}" for i in range(120)]
+    data = dataset(tmp_path / "data.jsonl", keys)
+    port = faults.free_port()
+    run = run_file(tmp_path, tiny_teacher, [f"tcp://{hosts3.addr['t']}:{port}"])
+    journal = tmp_path / "j.txt"
+    t0 = time.monotonic()
+    teacher = start_teacher(
+        procs, "teacher", hosts3, "t", tiny_teacher, data, run, "--journal", str(journal), "--rate", "6"
+    )
+    mport = faults.free_port()
+    node_sets = {h: f"student.output_dir={tmp_path / ('out-' + h)}" for h in ("s0", "s1")}
+    jobs = [start_node(procs, hosts3, h, r, run, mport, node_sets[h]) for r, h in enumerate(["s0", "s1"])]
+    wait_until(
+        lambda: len(committed(journal)) >= 24, 300, "24 keys committed", check=alive_or_fail(teacher, *jobs)
+    )
+    assert "not shared between nodes" in jobs[0].text(), jobs[0].tail()
+    procs.kill(jobs[1])  # host s1: launcher, agent and rank, SIGKILL
+    t_kill = time.monotonic()
+    jobs[0].wait(120)  # by itself
+    survivor_s = round(time.monotonic() - t_kill, 1)
+    assert jobs[0].student_exit() == 4, jobs[0].tail()
+    lines = [ln for ln in jobs[0].text().splitlines() if "student stopped:" in ln]
+    assert len(lines) == 1, jobs[0].tail()
+    assert "lost rank 1 on host" in lines[0] and hosts3.addr["s1"] in lines[0], lines[0]
+    assert "--set student.resume_from=latest" in lines[0], lines[0]
+    print("survivor:", lines[0])
+    # The documented restart: the same launch command on both nodes, resume_from=latest.
+    jobs2 = [
+        start_node(procs, hosts3, h, r, run, mport, node_sets[h], "student.resume_from=latest")
+        for r, h in enumerate(["s0", "s1"])
+    ]
+    codes = finish(jobs2, [teacher])
+    for j, h in zip(jobs2, ("s0", "s1"), strict=True):  # each node from its own checkpoint folder
+        assert f"resumed from {tmp_path / ('out-' + h)}/checkpoints/step_" in j.text(), j.tail()
+    report(
+        "student host killed, restart",
+        tmp_path / "out-s0" / "metrics.json",
+        set(keys),
+        t0,
+        procs,
+        exit={**codes, "survivor": 4},
+        survivor_exit_s=survivor_s,
+    )
