@@ -31,7 +31,9 @@ Exit codes: 0 every sample committed (after_generation=exit: everything generate
 or usage error (before vLLM starts); 3 no student progress for `teacher.student_wait_s` with
 samples left (they are in the spool; the printed command finishes the job); 4 finished as 0 but
 dataset rows were skipped (teacher.on_bad_row / on_too_long: skip; listed in
-`<journal>.skipped.jsonl`, counted in the summary); 130 SIGINT/SIGTERM.
+`<journal>.skipped.jsonl`, counted in the summary); 5 the live probe (teacher.verify_every,
+verify_fail=stop; teacher/verify.py) found a delivered sample that transformers does not reproduce
+(no END); 130 SIGINT/SIGTERM.
 Every exit after the config check writes `teacher.summary_path` (default `<journal>.summary.json`).
 
 How this process knows what students finished: the Publisher of the GENERATE phase lives in vLLM's
@@ -67,6 +69,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
 from distill.journal import Journal, JournalTail
@@ -85,6 +88,7 @@ log = logging.getLogger("distill.teacher")
 
 EXIT_OK, EXIT_MISSING, EXIT_CONFIG, EXIT_STUDENTS_GONE, EXIT_SIGNAL = 0, 1, 2, 3, 130
 EXIT_SKIPPED = 4  # finished (every usable sample committed / generated), but dataset rows were skipped
+EXIT_VERIFY = 5  # the live probe found a mismatch with teacher.verify_fail=stop (no END sent)
 SPOOL_MARGIN_S = 60.0  # engine shutdown: time to spool what is in memory, beyond drain_timeout_s
 
 
@@ -278,6 +282,8 @@ class Run:
     too_long: set[str] = field(default_factory=set)
     bad_rows: list = field(default_factory=list)  # BadRow skipped before vLLM (on_bad_row=skip)
     truncated: int = 0  # rows cut to max_model_len - max_tokens (on_too_long=truncate)
+    verifier: Any = None  # teacher.verify.Verifier when teacher.verify_every > 0
+    submitted: int = 0  # requests handed to vLLM (the probe marks every verify_every-th)
     lost: int = 0  # lost records seen (keys whose student session ended uncommitted)
     regenerated: int = 0  # samples generated more than once by this invocation (lost or missing)
     generated_keys: set[str] = field(default_factory=set)
@@ -312,6 +318,13 @@ class Run:
             "spooled": in_spool,
             "missing": len(left) - in_spool,  # neither committed nor in the spool
         }
+
+    @property
+    def verify_dir(self) -> Path:
+        return Path(f"{self.cfg.journal}.verify")
+
+    def verify_stop(self) -> bool:
+        return self.verifier is not None and self.verifier.failed.is_set()
 
     def skipped_path(self) -> Path:
         """Skipped rows of this invocation, one JSON object a line: key, where, reason."""
@@ -365,6 +378,11 @@ class Run:
             "skipped_too_long": len(self.too_long),
             "truncated": self.truncated,
             "skipped_file": str(self.skipped_path()),
+            "verify": (
+                {"every": self.cfg.verify_every, **self.verifier.summary()}
+                if self.verifier is not None
+                else None
+            ),
             "students_max": self.students_max,
             "interrupted": self.interrupted,
             "spool_dir": str(self.spool_dir),
@@ -406,6 +424,19 @@ def run(
 ) -> int:
     r = Run(cfg, transport, spool, keys, command, bad_rows=list(bad_rows))
     r.start_skipped_file()
+    if cfg.verify_every:
+        from teacher.verify import Verifier
+
+        dtype = cfg.dtype if cfg.dtype != "auto" else _model_dtype(cfg.model)
+        r.verifier = Verifier(
+            cfg.model,
+            r.verify_dir,
+            dtype,
+            tol=cfg.verify_tol,
+            device=cfg.verify_device,
+            fail=cfg.verify_fail,
+            include_output_tokens=cfg.include_output_tokens,
+        )
     r.base_tid = transport.teacher_id or f"{socket.gethostname()}-{os.getpid()}"
     r.committed_at_start = len(r.committed() & set(keys))
     stop = Stop()
@@ -430,6 +461,10 @@ def run(
                 if rnd > 0:
                     log.warning("generating %d samples again (lost or missing)", len(todo))
                 again = generate(r, todo, stop, rnd)
+                if r.verifier is not None:
+                    r.verifier.drain()  # the engine is down: every copy is written
+                if r.verify_stop():
+                    return verify_failed(r)
                 if stop.requested:
                     r.interrupted = True
                     r.reason = "signal"
@@ -537,6 +572,20 @@ def run(
         signal.signal(signal.SIGTERM, old_term)
 
 
+def verify_failed(r: Run) -> int:
+    v = r.verifier.summary()
+    first = v["mismatched"][0] if v["mismatched"] else {}
+    r.reason = f"verify mismatch (teacher.verify_fail=stop): {first.get('key')!r}: {first.get('problem')}"
+    st = r.state()
+    print(
+        f"distill-teacher: the live probe found {v['mismatches']} mismatching of {v['probed']} probed "
+        f"samples (first {first.get('key')!r}: {first.get('problem')}); generation stopped, no END was "
+        f"sent; {st['not_committed']} of {st['total']} samples not committed",
+        file=sys.stderr,
+    )
+    return r.finish(EXIT_VERIFY)
+
+
 def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
     """GENERATE phase: run `todo` (and keys lost meanwhile) through vLLM, then shut it down.
 
@@ -556,6 +605,7 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
         pinned_buffers=cfg.pinned_buffers,
         copy_threads=cfg.copy_threads,
         drain_timeout_s=cfg.drain_timeout_s,  # one drain setting (teacher and connector)
+        verify_dir=str(r.verify_dir) if r.verifier is not None else None,
         # No caller reads the returned paths while we run: skip the per-request lock files (a file
         # create + flock + unlink on the engine step for each request); spooled files still get one.
         use_lock=False,
@@ -618,6 +668,10 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
                 "meta": {"prompt_tokens": len(ids)},
                 "include_output_tokens": cfg.include_output_tokens,
             }
+            if r.verifier is not None and r.submitted % cfg.verify_every == 0:
+                kv["verify"] = True
+                r.verifier.expect(key, ids)
+            r.submitted += 1
             prompts.append({"prompt_token_ids": ids})
             params.append(
                 SamplingParams(
@@ -674,7 +728,7 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
                 it = rows()  # lost keys came back after the last pass
                 cur = next_window()
                 continue
-            if stop.requested:
+            if stop.requested or r.verify_stop():
                 break
             nxt = prefetch.submit(next_window)
             try:
@@ -891,6 +945,12 @@ def _model_json(model: str) -> dict:
 
 def _hidden_size(model: str) -> int:
     return int(_model_json(model)["hidden_size"])
+
+
+def _model_dtype(model: str) -> str:
+    """The checkpoint's dtype name (what vLLM's dtype=auto uses; float32 checkpoints stay float32)."""
+    dt = str(_model_json(model).get("torch_dtype") or _model_json(model).get("dtype") or "bfloat16")
+    return "float32" if "32" in dt else "float16" if "16" in dt and "bf" not in dt else "bfloat16"
 
 
 def _model_itemsize(model: str) -> int:

@@ -70,6 +70,9 @@ class ConnectorConfig(Strict):
     # Hold `<spool file>.lock` while a sample is undecided, so vLLM's `load_hidden_states` on the
     # returned path waits for it (as with vLLM's own connector).
     use_lock: bool = True
+    # The live probe (teacher.verify_every): requests marked `verify` in their kv_transfer_params
+    # get a copy of the delivered sample written here (distill-teacher checks and removes it).
+    verify_dir: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -169,6 +172,16 @@ class TeacherConfig(Strict):
     queue_samples: int = Field(64, gt=0)
     pinned_buffers: int = Field(32, ge=0)
     copy_threads: int = Field(4, ge=1, le=64)
+    # The live correctness probe (teacher/verify.py): every N-th submitted sample is recomputed
+    # with transformers and compared (token ids, every delivered layer); 0 = off.
+    verify_every: int = Field(0, ge=0)
+    # A mismatch: warn (counted, logged, in the summary) or stop (generation stops, exit 5, no END).
+    verify_fail: Literal["warn", "stop"] = "warn"
+    # Relative tolerance (max abs difference / max abs value, per layer); None: by dtype
+    # (float32 1e-3, float16 2e-2, bfloat16 5e-2).
+    verify_tol: float | None = Field(None, gt=0)
+    # Where transformers recomputes the probed samples.
+    verify_device: str = "cpu"
     # Extra keyword arguments for vllm.LLM (escape hatch; prefer the typed keys above).
     engine_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -187,6 +200,11 @@ class TeacherConfig(Strict):
             raise ValueError(
                 "enable_chunked_prefill must be false: hidden-state extraction needs each prompt in "
                 "one step. Remove it or set teacher.enable_chunked_prefill=false"
+            )
+        if self.verify_every and self.load_format == "dummy":
+            raise ValueError(
+                "verify_every needs the real weights (load_format=dummy gives random ones that "
+                "transformers would not reproduce): set teacher.verify_every=0"
             )
         if self.include_output_tokens and self.max_tokens < 2:
             raise ValueError("include_output_tokens needs max_tokens >= 2 (the last token has no state)")

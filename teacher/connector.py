@@ -53,7 +53,14 @@ Worker side (each worker process; only tensor-parallel rank 0 sends)
 vLLM returns these when the request finishes, before the worker copies the rows (one step later),
 so the final fate of a streamed sample is known from the Publisher's journal (acked keys) and the
 spool folder, not from the response. Per-request `kv_transfer_params` in: `sample_key` (str),
-`meta` (a small msgpack-able map carried in the sample header), `include_output_tokens` (bool).
+`meta` (a small msgpack-able map carried in the sample header), `include_output_tokens` (bool),
+`verify` (bool: with `verify_dir` set, a copy of what is delivered is written there for the live
+probe, teacher/verify.py).
+
+Layer order: vLLM collects the extracted layers in execution order (ascending id) whatever the
+order of `eagle_aux_hidden_state_layer_ids`; the connector delivers them in the configured order
+(`layers` of every sample = that list, slot i holds layers[i]). Mode spool files carry
+`transport.teacher_id` (else host-pid-random) and a sequence number from 1, as a Publisher's do.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class _SampleInfo:
     key: str
     meta: dict[str, Any]
     path: str  # spool path (lock file beside it)
+    verify: bool = False  # a probed request: a copy of what is delivered goes to verify_dir
 
 
 @dataclass
@@ -153,6 +161,11 @@ class _PinnedPool:
 class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     """Hidden-state connector that hands samples to a `distill.transport.Publisher`."""
 
+    # Class defaults for instances built without __init__ (unit tests): see __init__.
+    _fault = ""
+    _spool_tid = ""
+    _spool_seq = 0
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -173,6 +186,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         # names what each slot holds): `_perm[i]` is the cache slot of layer_ids[i].
         self.layer_ids = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
         self._perm = _layer_perm(self.layer_ids)
+        # Test hooks (never set them in a real run): "mislabel" delivers the cache's ascending
+        # order under the configured labels (the bug issue 11 fixed); "flip" adds 1 to the first
+        # value of every sample. The live probe (teacher.verify_every) must catch both.
+        self._fault = os.environ.get("DISTILL_TEACHER_TEST_FAULT", "")
+        if self._fault == "mislabel":
+            self._perm = None
         self._perm_dev: torch.Tensor | None = None  # _perm on the cache's device (CUDA)
 
         # Scheduler-side state
@@ -214,7 +233,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             raise ValueError(
                 f"kv_transfer_params['meta'] of request {req_id} must be a map, got {type(meta)}"
             )
-        return _SampleInfo(key=key, meta=meta, path=os.path.join(self.cfg.spool.dir, spool_name(key)))
+        return _SampleInfo(
+            key=key,
+            meta=meta,
+            path=os.path.join(self.cfg.spool.dir, spool_name(key)),
+            verify=bool(kv_params.get("verify")) and self.cfg.verify_dir is not None,
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
@@ -405,7 +429,15 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._pinned.give(job.staging)
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", int(hs.shape[0]))
+        if self._fault == "flip":
+            flipped = tensors["hidden_states"].clone()  # an inference tensor: no in-place update
+            flipped.view(-1)[0] += 1.0
+            tensors["hidden_states"] = flipped
         sample = Sample(key=job.info.key, tensors=tensors, layers=list(self.layer_ids), meta=meta)
+        if job.info.verify:
+            # The live probe: a copy of exactly what is delivered, for distill-teacher's verifier
+            # (teacher/verify.py). Written here, on the sender thread, never on the engine step.
+            write_sample(self.cfg.verify_dir, Sample(key=sample.key, tensors=tensors, layers=sample.layers))
         if self._publisher is None:
             self._spool_seq += 1  # sender thread only
             sample.teacher, sample.seq = self._spool_tid, self._spool_seq

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -62,11 +63,14 @@ def _config(root: Path, model: Path, data: Path, **teacher) -> Path:
     return p
 
 
-def _run(config: Path, *sets: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(
+    config: Path, *sets: str, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
     args = [*CLI, "--config", str(config)]
     for s in sets:
         args += ["--set", s]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    full_env = {**os.environ, **env} if env else None
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,3 +620,42 @@ def test_connector_mode_spool_files_carry_teacher_id_and_seq_and_truncate(assets
     assert sorted(x.seq for x in got) == [1, 2, 3, 4, 5]
     assert all(x.layers == [1, 2, 4] and x.tensors["token_ids"].numel() <= 15 for x in got)
     assert max(x.tensors["token_ids"].numel() for x in got) == 15  # truncated rows: exactly the limit
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["", "flip", "mislabel"])
+def test_live_probe_passes_clean_runs_and_catches_corrupted_samples(assets, tmp_path, fault):
+    """teacher.verify_every: every 2nd sample is recomputed with transformers. A clean run (with
+    unsorted layer ids) reports 0 mismatches; a flipped value (verify_fail=warn) is counted and the
+    run ends 0; layers delivered under the wrong labels (verify_fail=stop) end the run with exit 5."""
+    pytest.importorskip("vllm")
+    _, model, data = assets
+    cfg = _config(
+        tmp_path,
+        model,
+        data,
+        after_generation="exit",
+        layer_ids=[4, 0, 2],
+        verify_every=2,
+        verify_fail="stop" if fault == "mislabel" else "warn",
+    )
+    r = _run(cfg, "teacher.max_samples=4", env={"DISTILL_TEACHER_TEST_FAULT": fault})
+    s = _summary(cfg)
+    v = s["verify"]
+    assert (v["every"], v["tolerance"], v["errors"], v["unchecked"]) == (2, 1e-3, 0, 0), v
+    if fault == "":
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (v["probed"], v["mismatches"]) == (2, 0), v
+        assert v["worst"]["rel_err"] < 1e-4
+        assert "verify mismatch" not in r.stderr
+    elif fault == "flip":
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (v["probed"], v["mismatches"]) == (2, 2), v
+        assert v["mismatched"][0]["layer"] == 4  # slot 0 = layer 4 holds the flipped value
+        assert "distill-teacher: verify mismatch: 'row-00000': worst layer 4: relative error" in r.stderr
+    else:
+        assert r.returncode == 5, r.stderr[-3000:]
+        assert s["exit_code"] == 5 and v["mismatches"] >= 1 and "verify mismatch" in s["reason"]
+        assert "distill-teacher: the live probe found" in r.stderr
+    assert not list_spool(Path(f"{tmp_path / 'journal.txt'}.verify"))  # copies removed once checked
