@@ -167,7 +167,7 @@ class PeerTable:
         for r, h, a in others:
             by.setdefault(f"host {h} ({a})", []).append(r)
         hosts = " or ".join(f"rank {','.join(map(str, rs))} on {hp}" for hp, rs in by.items())
-        return f"a rank is gone ({hosts})"
+        return f"{hosts} (no answer in time)"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -281,52 +281,86 @@ def test_two_teachers_each_half_two_student_hosts(procs, hosts4, tmp_path, tiny_
     )
 
 
-def test_student_host_killed_survivor_exits_4_restart_finishes(procs, hosts3, tmp_path, tiny_teacher):
+def _lost_node_row(procs, hosts, tmp_path, tiny_teacher, *, lost: str, how: str, timeout_s: float = 600):
     """Checkpoints on each node's own storage (different checkpoint folders: no shared filesystem).
-    Host s1's whole student process tree is SIGKILLed after a few checkpoints: the job on s0 must
-    exit by itself with code 4 and one line naming the lost rank and host and the restart command;
-    that command on both hosts (resume_from=latest, each node from its own checkpoints) finishes the
-    job with every key trained exactly once (the teacher regenerates keys acked but not committed)."""
+    After a few checkpoints host `lost` is lost: `how` = "kill" (its whole student process tree
+    SIGKILLed: the kernel closes its connections) or "vanish" (its cable pulled for good: nothing is
+    closed, the survivor notices after student.collective_timeout_s = `timeout_s`). Every student
+    job still running must exit by itself with code 4 and one line naming the lost rank and host and
+    the restart command; that command on both hosts (resume_from=latest, each node from its own
+    checkpoints; the cable back in) finishes the job with every key trained exactly once (the
+    teacher regenerates keys acked but not committed)."""
     keys = [f"c{i:04d}" for i in range(120)]
     data = dataset(tmp_path / "data.jsonl", keys)
     port = faults.free_port()
-    run = run_file(tmp_path, tiny_teacher, [f"tcp://{hosts3.addr['t']}:{port}"])
+    run = run_file(
+        tmp_path,
+        tiny_teacher,
+        [f"tcp://{hosts.addr['t']}:{port}"],
+        student={"collective_timeout_s": timeout_s},
+    )
     journal = tmp_path / "j.txt"
     t0 = time.monotonic()
     teacher = start_teacher(
-        procs, "teacher", hosts3, "t", tiny_teacher, data, run, "--journal", str(journal), "--rate", "6"
+        procs, "teacher", hosts, "t", tiny_teacher, data, run, "--journal", str(journal), "--rate", "6"
     )
     mport = faults.free_port()
-    node_sets = {h: f"student.output_dir={tmp_path / ('out-' + h)}" for h in ("s0", "s1")}
-    jobs = [start_node(procs, hosts3, h, r, run, mport, node_sets[h]) for r, h in enumerate(["s0", "s1"])]
+    nodes = ["s0", "s1"]
+    node_sets = {h: f"student.output_dir={tmp_path / ('out-' + h)}" for h in nodes}
+    jobs = [start_node(procs, hosts, h, r, run, mport, node_sets[h]) for r, h in enumerate(nodes)]
     wait_until(
         lambda: len(committed(journal)) >= 24, 300, "24 keys committed", check=alive_or_fail(teacher, *jobs)
     )
     assert "not shared between nodes" in jobs[0].text(), jobs[0].tail()
-    procs.kill(jobs[1])  # host s1: launcher, agent and rank, SIGKILL
-    t_kill = time.monotonic()
-    jobs[0].wait(120)  # by itself
-    survivor_s = round(time.monotonic() - t_kill, 1)
-    assert jobs[0].student_exit() == 4, jobs[0].tail()
-    lines = [ln for ln in jobs[0].text().splitlines() if "student stopped:" in ln]
-    assert len(lines) == 1, jobs[0].tail()
-    assert "lost rank 1 on host" in lines[0] and hosts3.addr["s1"] in lines[0], lines[0]
-    assert "--set student.resume_from=latest" in lines[0], lines[0]
-    print("survivor:", lines[0])
+    gone = nodes.index(lost)
+    if how == "kill":
+        procs.kill(jobs[gone])  # the host's launcher, agent and rank: SIGKILL
+        survivors = [j for i, j in enumerate(jobs) if i != gone]
+    else:
+        hosts.link(lost, up=False)
+        survivors = list(jobs)  # the lost host's own rank times out too (it sees the other one gone)
+    t_lost = time.monotonic()
+    exits = {}
+    for j in survivors:
+        j.wait(timeout_s + 120)  # by itself
+        exits[j.name] = (j.student_exit(), round(time.monotonic() - t_lost, 1))
+        assert exits[j.name][0] == 4, j.tail()
+        lines = [ln for ln in j.text().splitlines() if "student stopped:" in ln]
+        assert len(lines) == 1, j.tail()
+        assert "--set student.resume_from=latest" in lines[0], lines[0]
+        print(f"{j.name}:", lines[0])
+    other = jobs[1 - gone]
+    line = next(ln for ln in other.text().splitlines() if "student stopped:" in ln)
+    assert f"lost rank {gone} on host" in line and hosts.addr[lost] in line, line
+    if how == "vanish":
+        hosts.link(lost, up=True)
     # The documented restart: the same launch command on both nodes, resume_from=latest.
     jobs2 = [
-        start_node(procs, hosts3, h, r, run, mport, node_sets[h], "student.resume_from=latest")
-        for r, h in enumerate(["s0", "s1"])
+        start_node(procs, hosts, h, r, run, mport, node_sets[h], "student.resume_from=latest")
+        for r, h in enumerate(nodes)
     ]
     codes = finish(jobs2, [teacher])
-    for j, h in zip(jobs2, ("s0", "s1"), strict=True):  # each node from its own checkpoint folder
+    for j, h in zip(jobs2, nodes, strict=True):  # each node from its own checkpoint folder
         assert f"resumed from {tmp_path / ('out-' + h)}/checkpoints/step_" in j.text(), j.tail()
-    report(
-        "student host killed, restart",
+    return report(
+        f"student host {lost} {'killed' if how == 'kill' else 'vanished'}, restart",
         tmp_path / "out-s0" / "metrics.json",
         set(keys),
         t0,
         procs,
-        exit={**codes, "survivor": 4},
-        survivor_exit_s=survivor_s,
+        exit={**codes, "first run (code, s after the loss)": exits},
     )
+
+
+@pytest.mark.parametrize("lost", ["s1", "s0"])
+def test_student_host_killed_survivor_exits_4_restart_finishes(procs, hosts3, tmp_path, tiny_teacher, lost):
+    """A student host's process tree SIGKILLed (s1; or s0, the main process's host): the other node
+    exits 4 by itself at once; the restart finishes, every key once."""
+    _lost_node_row(procs, hosts3, tmp_path, tiny_teacher, lost=lost, how="kill")
+
+
+def test_student_host_vanished_both_exit_4_after_collective_timeout(procs, hosts3, tmp_path, tiny_teacher):
+    """Host s1's cable pulled for good (no connection is closed): both nodes exit 4 after
+    student.collective_timeout_s (20 s here) instead of hanging; with the cable back the restart
+    finishes, every key once."""
+    _lost_node_row(procs, hosts3, tmp_path, tiny_teacher, lost="s1", how="vanish", timeout_s=20)
