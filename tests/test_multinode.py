@@ -8,11 +8,14 @@ is not set: the student picks the interface of the route to the main process its
 
 Rows (each asserts, from the final metrics.json `trained` list: trained == expected, lost == 0,
 twice == 0, and that every process ended by itself with its documented exit code):
-- one teacher host, two student hosts, one shared checkpoint folder;
+- one teacher host, two student hosts, one shared checkpoint folder (then, with rank 1's checkpoint
+  files removed, a resume is refused on both nodes with one line, exit 2);
 - two teachers, each holding half of the dataset, feeding the same students;
 - one student host killed (its whole process tree SIGKILLed) with checkpoints on each node's own
   storage: the surviving node exits 4 by itself with one line, the documented restart command
-  (`--set student.resume_from=latest` on both nodes) finishes the job.
+  (`--set student.resume_from=latest` on both nodes) finishes the job; the same with s0 (the main
+  process's host) killed, and with s1's cable pulled for good (collective_timeout_s=20: both nodes
+  exit 4 after ~20 s instead of hanging).
 
 Each row prints "NETNS <row>: expected=... trained=... twice=... lost=... (N s) ended_by_itself=True".
 Skipped (with the reason) where network namespaces cannot be made (not root, no iproute2).
@@ -238,6 +241,26 @@ def test_two_student_hosts_one_teacher_every_key_once(procs, hosts3, tmp_path, t
     report(
         "one teacher, two student hosts", tmp_path / "out" / "metrics.json", set(keys), t0, procs, exit=codes
     )
+    # A partial checkpoint (rank 1's files missing, as on a second node of the old layout): a resume
+    # is refused on every rank with one line, before any training or teacher contact.
+    ckpts = sorted((tmp_path / "out" / "checkpoints").glob("step_*"))
+    assert ckpts, "no checkpoint was kept"
+    for c in ckpts:
+        (c / "random_states_1.pkl").unlink()
+    jobs = [
+        start_node(procs, hosts3, h, r, run, mport, "student.resume_from=latest")
+        for r, h in enumerate(["s0", "s1"])
+    ]
+    for j in jobs:
+        j.wait(300)
+        assert j.student_exit() == 2, j.tail()
+        lines = [ln for ln in j.text().splitlines() if ln.startswith("student error:")]
+        assert len(lines) == 1 and "cannot resume: no checkpoint is complete on every rank" in lines[0], (
+            j.tail()
+        )
+        assert "rank 1 on" in lines[0] and ": none" in lines[0], lines[0]
+    print("refused:", lines[0])
+    assert not procs.leftovers()
 
 
 def test_two_teachers_each_half_two_student_hosts(procs, hosts4, tmp_path, tiny_teacher):
