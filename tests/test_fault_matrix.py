@@ -142,6 +142,28 @@ def run_file(
     return p
 
 
+# A 4x wider, 4-layer student, one sample per micro-batch: many times slower than the tiny vLLM
+# teacher on CPU (the H200 row's situation: the teacher prefills far faster than a student trains).
+SLOW_STUDENT = {
+    "max_samples_per_batch": 1,
+    "from_config": {
+        "model_type": "qwen3",
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1024,
+        "tie_word_embeddings": False,
+    },
+    "layer_map": [
+        {"student_layer": 2, "teacher_layer": 2, "weight": 1.0},
+        {"student_layer": 4, "teacher_layer": 4, "weight": 1.0},
+    ],
+}
+
+
 def student_env(extra: dict | None = None) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
 
@@ -541,7 +563,7 @@ def test_restart_with_every_key_journaled_or_spooled(procs, tmp_path, tiny_teach
         faults.free_port(),
         vllm=True,
         transport={"max_buffer_bytes": 128 << 10, "credit_samples": 2},
-        student={"max_samples_per_batch": 1},
+        student=SLOW_STUDENT,  # students lag: most keys are in the spool when the teacher dies
     )
     t0 = time.monotonic()
     teacher = start_vllm(procs, "teacher1", run)
@@ -650,24 +672,7 @@ def test_students_ten_times_slower_than_the_teacher(procs, tmp_path, tiny_teache
         vllm=True,
         transport={"max_buffer_bytes": 256 << 10},
         teacher={"window": 32, "student_wait_s": 60},
-        student={
-            "max_samples_per_batch": 1,
-            "from_config": {
-                "model_type": "qwen3",
-                "hidden_size": 256,
-                "intermediate_size": 1024,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 64,
-                "vocab_size": 1024,
-                "tie_word_embeddings": False,
-            },
-            "layer_map": [
-                {"student_layer": 2, "teacher_layer": 2, "weight": 1.0},
-                {"student_layer": 4, "teacher_layer": 4, "weight": 1.0},
-            ],
-        },
+        student=SLOW_STUDENT,
     )
     t0 = time.monotonic()
     teacher = start_vllm(procs, "teacher", run)
