@@ -165,6 +165,11 @@ class Publisher:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_HEADER_BYTES + 64 * 1024)  # students send control only
+        # ZeroMQ heartbeats close connections silent for heartbeat_timeout_s (a link that was down),
+        # so a student's reconnect is not stuck behind a dead TCP connection.
+        hb_ms = max(1, int(self.cfg.heartbeat_interval_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(hb_ms, int(self.cfg.heartbeat_timeout_s * 1000)))
         if self.cfg.socket_buffer_bytes:
             sock.setsockopt(zmq.SNDBUF, self.cfg.socket_buffer_bytes)
             sock.setsockopt(zmq.RCVBUF, self.cfg.socket_buffer_bytes)

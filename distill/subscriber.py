@@ -108,6 +108,17 @@ class Subscriber:
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
+            # A link that was down longer than the heartbeat timeout leaves a TCP connection that
+            # retransmits with a backoff of up to minutes: ZeroMQ's own heartbeats drop it after
+            # heartbeat_timeout_s of silence, and short connect timeouts make the reconnect
+            # succeed soon after the link is back.
+            hb_ms = max(1, int(self.cfg.heartbeat_interval_s * 1000))
+            to_ms = max(hb_ms, int(self.cfg.heartbeat_timeout_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, to_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, to_ms)
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, to_ms)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, to_ms)
             if self.cfg.socket_buffer_bytes:
                 sock.setsockopt(zmq.SNDBUF, self.cfg.socket_buffer_bytes)
                 sock.setsockopt(zmq.RCVBUF, self.cfg.socket_buffer_bytes)
