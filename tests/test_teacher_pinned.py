@@ -99,3 +99,16 @@ def test_staged_sample_copied_out_once(tmp_path, copy_threads, shm, rows):
             assert pub._ring.used_bytes == 0
     if conn._copy_pool is not None:
         conn._copy_pool.shutdown()
+
+
+def test_layer_perm_maps_the_configured_order_to_the_cache_slots():
+    """vLLM's cache holds the layers ascending; slot i of a delivered sample is layer_ids[i]."""
+    import torch
+
+    from teacher.connector import _layer_perm
+
+    assert _layer_perm([0, 1, 3]) is None  # already ascending: no reordering
+    ids = [6, 0, 1, 5]
+    perm = _layer_perm(ids)
+    cache = torch.tensor(sorted(ids)).view(1, -1, 1)  # [T=1, L, H=1]: each slot holds its layer id
+    assert cache.index_select(1, perm).flatten().tolist() == ids
