@@ -151,6 +151,9 @@ class Sample:
     # Shared-memory samples: (segment, stamp offset, stamp). The bytes are this sample's only while
     # the segment's stamp word still holds `stamp` (Subscriber.valid checks it after a copy).
     stamp: tuple[str, int, int] | None = None
+    # CRC32 of the tensor bytes in order (`sample_crc`), computed once by the producer's side and
+    # carried in the header and the spool file; receivers check it.
+    crc: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -191,6 +194,11 @@ def checksum(buffers: list) -> int:
     return crc
 
 
+def sample_crc(sample: Sample) -> int:
+    """CRC32 of the sample's tensor bytes, in tensor order (what `crc` in a header means)."""
+    return checksum([tensor_bytes(t) for t in sample.tensors.values()])
+
+
 def sample_header(
     sample: Sample, *, with_crc: bool = False, shm: tuple[str, list[int], int, int] | None = None
 ):
@@ -210,7 +218,9 @@ def sample_header(
         "t": specs,
         "meta": sample.meta,
     }
-    if with_crc:
+    if sample.crc is not None:
+        header["crc"] = sample.crc
+    elif with_crc:
         header["crc"] = checksum(bufs)
     if shm is not None:
         header["shm"] = [shm[0], list(shm[1]), int(shm[2]), int(shm[3])]
@@ -424,7 +434,7 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     crc = header.get("crc")
     if crc is not None and checksum(bufs) != crc:
         raise ProtocolError("checksum", f"payload CRC32 mismatch for sample {key!r}")
-    out = Sample(key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq)
+    out = Sample(key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc)
     if shm is not None:
         out.stamp = (shm[0], shm[2], shm[3])
     return out

@@ -267,6 +267,8 @@ class Publisher:
         if slot is not None and list(tensors) != list(slot.tensors):
             raise ValueError(f"sample tensors {list(tensors)} do not match the slot's {list(slot.tensors)}")
         sample.tensors = tensors
+        if self.cfg.checksum == "crc32" and sample.crc is None:
+            sample.crc = P.sample_crc(sample)  # once, on the producer's thread; carried everywhere
         nbytes = sample.nbytes
         limit = self.spool_cfg.max_bytes
         waited_since, logged = None, 0.0
@@ -725,9 +727,14 @@ class Publisher:
             self._replay.popleft()
             try:
                 s = read_spool_file(p, lock=False)
-            except Exception as e:  # a corrupt file is counted and left in place for inspection
+            except Exception as e:  # a corrupt file is counted and set aside for inspection
                 self._rejected["spool_file"] += 1
-                log.error("cannot replay spool file %s: %s", p, e)
+                bad = p.with_name(p.name + ".corrupt")
+                try:
+                    p.rename(bad)  # no longer counts as spooled: distill-teacher generates it again
+                except OSError:
+                    bad = p
+                log.error("cannot replay spool file %s (kept as %s): %s", p, bad, e)
                 with self._cond:
                     self._spool_bytes -= size
                     self._cond.notify_all()

@@ -20,7 +20,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distill.protocol import Sample
+from distill.protocol import Sample, sample_crc
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
@@ -31,6 +31,10 @@ def spool_name(key: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:80]
     digest = hashlib.blake2s(key.encode(), digest_size=6).hexdigest()
     return f"{safe}-{digest}{SUFFIX}"
+
+
+class SpoolChecksumError(ValueError):
+    """A spool file whose tensor bytes do not match the CRC32 written with them."""
 
 
 def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
@@ -50,6 +54,8 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
         "layers": json.dumps(list(sample.layers)),
         "meta": json.dumps(sample.meta),
         "format": "distill-stream/1",
+        # CRC32 of the tensor bytes in order: a reader checks it (a damaged file is never used).
+        "crc": str(sample.crc if sample.crc is not None else sample_crc(sample)),
     }
     tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
     try:
@@ -84,7 +90,13 @@ def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
             f"{p} has no 'hidden_states' tensor (keys: {sorted(tensors)}): not a hidden-state file"
         )
     key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
+    crc = int(md["crc"]) if md.get("crc", "").isdigit() else None
+    if crc is not None:
+        got = sample_crc(Sample(key=key, tensors=tensors))
+        if got != crc:
+            raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's CRC32 ({got} != {crc})")
     return Sample(
+        crc=crc,
         key=key,
         tensors=tensors,
         layers=json.loads(md["layers"]) if "layers" in md else [],
@@ -126,7 +138,3 @@ def iter_spool(
             yield s
 
     return gen()
-
-
-def spool_bytes(directory: str | os.PathLike) -> int:
-    return sum(p.stat().st_size for p in list_spool(directory))

@@ -434,6 +434,10 @@ class Subscriber:
                 self._rejected[e.reason] += 1
                 if e.reason == "version":
                     t.version_errors += 1
+                if e.reason == "checksum" and t.welcomed:
+                    # A sample whose bytes are not what the teacher sent: never used, never acked.
+                    # A new session makes the teacher send what this session holds again.
+                    self._hello(t)
                 # A teacher that never spoke our version (or stopped: restarted with another
                 # release) is fatal and said so. One such message from a teacher that speaks ours
                 # is a damaged frame: counted and dropped like any other.

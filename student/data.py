@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distill.protocol import ProtocolError, Sample
+from distill.spool import SpoolChecksumError
 
 
 class StudentError(RuntimeError):
@@ -366,6 +367,11 @@ class SpoolSource:
             self._it = None
             self.exhausted = True
             return None
+        except SpoolChecksumError as e:
+            raise StudentError(
+                f"damaged spool file: {e}; delete it and run distill-teacher with the same run file "
+                "to generate that sample again"
+            ) from None
         finally:
             self.wait_s += time.perf_counter() - t0
 

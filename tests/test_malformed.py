@@ -104,7 +104,6 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path):
             [spec(dtype="q80"), payload],  # bad dtype
             [spec(shape=[1 << 40, 1 << 20]), payload],  # huge declared shape
             [spec(shape=[-1, 2, 3]), payload],  # negative dimension
-            [P.pack({**h, "crc": (h["crc"] + 1) & 0xFFFFFFFF}), payload],  # wrong checksum
             [P.pack({**h, "shm": ["/dev/shm/nope", [4096]]})],  # shm slot on a ring never offered
             [P.pack({**h, "k": 55}), payload],  # unknown kind
         ]
@@ -124,6 +123,23 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path):
             if hh["k"] == P.ACK:
                 assert hh["seqs"] == [1]
                 break
+        # A sample whose bytes do not match its checksum: rejected and counted, never handed out,
+        # and the student opens a new session so that the teacher sends it again.
+        bad_crc = {**h, "seq": 2, "key": "damaged", "crc": (h["crc"] + 1) & 0xFFFFFFFF}
+        router.send_multipart([ident, P.pack(bad_crc), payload])
+        while True:
+            ident, msg = router.recv_multipart()
+            if P.decode_header(msg)["k"] == P.HELLO:
+                break
+        assert sub.stats()["rejected_by_reason"].get("checksum") == 1
+        assert sub.get(timeout=0.5) is None
+        router.send_multipart([ident, P.encode_control(P.WELCOME, tid="fake", shm=None)])
+        router.send_multipart(
+            [ident, P.pack({**h, "seq": 3, "key": "damaged"}), payload]
+        )  # sent again, intact
+        s2 = sub.get(timeout=10)
+        assert s2 is not None and s2.key == "damaged"
+        sub.ack(s2)
         router.send_multipart([ident, P.encode_control(P.END, tid="fake")])
         assert sub.get(timeout=10) is None and sub.finished
     finally:

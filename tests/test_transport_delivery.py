@@ -372,3 +372,30 @@ def test_rings_of_earlier_teacher_sessions_are_unmapped(tmp_path):
             assert wait_until(lambda: old_ring not in sub._shm._maps, 10), list(sub._shm._maps)
             assert str(pub2._ring.path) in sub._shm._maps
             sub.ack(s1)
+
+
+def test_damaged_spool_file_is_set_aside_not_delivered(tmp_path):
+    """A spool file whose bytes no longer match its CRC32 is never handed to a student: it is
+    counted and renamed `.corrupt` (then it no longer counts as spooled: distill-teacher generates
+    the key again); the intact files are served."""
+    from distill.spool import SpoolChecksumError, read_spool_file, write_sample
+
+    spool = tmp_path / "spool"
+    good = write_sample(spool, _sample(1))
+    bad = write_sample(spool, _sample(2))
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 0xFF  # one flipped bit in the last tensor byte
+    bad.write_bytes(bytes(raw))
+    try:
+        read_spool_file(bad)
+        raise AssertionError("a damaged spool file was read without error")
+    except SpoolChecksumError:
+        pass
+    cfg = _cfg(tmp_path, shm="off")
+    with Publisher(cfg, SpoolConfig(dir=str(spool))) as pub, Subscriber(cfg) as sub:
+        s = sub.get(timeout=10)
+        assert s is not None and s.key == "k001" and s.crc is not None
+        sub.ack(s)
+        assert sub.get(timeout=1.0) is None
+        assert pub.stats()["rejected_by_reason"].get("spool_file") == 1
+    assert not good.exists() and not bad.exists() and bad.with_name(bad.name + ".corrupt").exists()
