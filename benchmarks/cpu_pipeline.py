@@ -8,7 +8,7 @@ random weights built locally:
   stream  extraction + our connector (teacher/connector.py, mode stream): a receiver process
           (distill Subscriber, shared-memory path) checks every sample (shape, dtype, token ids) and acks
   file    extraction + our connector in spool-only mode writing safetensors to /dev/shm (vLLM's own
-          ExampleHiddenStatesConnector cannot run on CPU: NOTES.md), with a reader process that
+          ExampleHiddenStatesConnector cannot run on CPU: teacher/README.md), with a reader process that
           loads every file (shared flock, as vLLM's load_hidden_states does) and deletes it
 Time = from generate() until the receiver holds the last sample; tokens/s = prompt tokens / time.
 Each mode runs in a fresh process (one engine each; start-up is excluded; one untimed warm-up

@@ -22,7 +22,7 @@ import torch
 # Parameters of the build are written here; a folder whose stamp matches is reused.
 STAMP = "distill_tiny.json"
 STAMP_VERSION = 1
-INIT_STD = 0.08  # NOTES: N(0, 0.08) gives hidden states of a useful scale on the tiny model
+INIT_STD = 0.08  # N(0, 0.08) gives hidden states of a useful scale on the tiny model
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

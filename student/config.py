@@ -2,7 +2,7 @@
 
 Validated once at load (`load_student_config`); unknown keys fail with their dotted name.
 
-Layer ids, on both sides (NOTES.md, "Layer-id convention"): 0 = embeddings, k = output of decoder
+Layer ids, on both sides (teacher/README.md, "Facts this design rests on"): 0 = embeddings, k = output of decoder
 layer k-1 (= transformers `hidden_states[k]` for k < L), L = num_hidden_layers = output of the last
 decoder layer BEFORE the final norm. transformers' own `hidden_states[L]` is after the norm; the
 student reads its pre-norm last layer with a hook, so a student id means the same thing as a

@@ -193,7 +193,7 @@ def probe_storage(accelerator: Accelerator, ckpt_dir: Path) -> bool:
 
 def training_function(cfg: StudentConfig, run, args) -> None:
     # cpu=True on a machine without CUDA is what makes `--multi_gpu --num_processes N` join a gloo
-    # group (NOTES.md). DDP's find_unused_parameters is set below, once the model is known.
+    # group (student/README.md). DDP's find_unused_parameters is set below, once the model is known.
     ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=True)
     # Multi-node: gloo binds to the interface of the route to the main process unless
     # GLOO_SOCKET_IFNAME says otherwise (the hostname may resolve to 127.0.0.1).

@@ -116,7 +116,7 @@ def start_teacher(assets, run: Path, log: Path, *extra: str) -> subprocess.Popen
 
 
 def start_students(run: Path, log: Path, *sets: str, nproc: int = 2) -> subprocess.Popen:
-    # --multi_gpu + Accelerator(cpu=True) is what gives N gloo ranks on a CPU-only machine (NOTES.md).
+    # --multi_gpu + Accelerator(cpu=True) is what gives N gloo ranks on a CPU-only machine (student/README.md).
     cmd = [
         ACCELERATE,
         "launch",
