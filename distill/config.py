@@ -93,7 +93,9 @@ class TransportConfig(Strict):
     run_id: str | None = None
     # Optional CURVE authentication and encryption (both sides must set it).
     curve: CurveConfig | None = None
-    # Students: the largest ZeroMQ frame accepted (a tensor); larger messages are dropped by ZeroMQ.
+    # Both sides: the largest message header accepted (headers are metadata; a teacher accepts
+    # nothing larger from a student). Students: the largest ZeroMQ frame accepted (one tensor).
+    max_header_bytes: int = Field(1 * MiB, ge=4096, le=64 * MiB)
     max_frame_bytes: int = Field(16 * GiB, gt=0)
 
     @field_validator("bind", "connect")

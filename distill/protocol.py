@@ -294,11 +294,11 @@ def decode_control(header: dict) -> dict:
     return out
 
 
-def decode_header(frame) -> dict:
+def decode_header(frame, max_bytes: int = MAX_HEADER_BYTES) -> dict:
     """Parse and check the envelope of frame 0 (version, kind). Raises ProtocolError."""
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    if buf.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError("header_too_large", f"{buf.nbytes} bytes > {MAX_HEADER_BYTES}")
+    if buf.nbytes > max_bytes:
+        raise ProtocolError("header_too_large", f"{buf.nbytes} bytes > {max_bytes}")
     try:
         header = msgpack.unpackb(
             buf,

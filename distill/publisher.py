@@ -164,7 +164,8 @@ class Publisher:
         sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what we queue; never drop
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_HEADER_BYTES + 64 * 1024)  # students send control only
+        # Students send control records only: nothing larger than a header is accepted.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_header_bytes + 64 * 1024)
         # ZeroMQ heartbeats close connections silent for heartbeat_timeout_s (a link that was down),
         # so a student's reconnect is not stuck behind a dead TCP connection.
         hb_ms = max(1, int(self.cfg.heartbeat_interval_s * 1000))
@@ -529,7 +530,7 @@ class Publisher:
             try:
                 if len(frames) != 2:
                     raise ProtocolError("frames", f"control message with {len(frames) - 1} frames")
-                header = P.decode_header(frames[1])
+                header = P.decode_header(frames[1], self.cfg.max_header_bytes)
                 if header["k"] == P.SAMPLE:
                     raise ProtocolError("kind", "students do not send samples")
                 self._handle(ident, P.decode_control(header))

@@ -427,7 +427,7 @@ class Subscriber:
             except zmq.Again:
                 return
             try:
-                header = P.decode_header(frames[0])
+                header = P.decode_header(frames[0], self.cfg.max_header_bytes)
                 t.version_errors = 0
                 self._handle(t, header, frames[1:])
             except ProtocolError as e:

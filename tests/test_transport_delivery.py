@@ -399,3 +399,17 @@ def test_damaged_spool_file_is_set_aside_not_delivered(tmp_path):
         assert sub.get(timeout=1.0) is None
         assert pub.stats()["rejected_by_reason"].get("spool_file") == 1
     assert not good.exists() and not bad.exists() and bad.with_name(bad.name + ".corrupt").exists()
+
+
+def test_header_size_limit_comes_from_the_config(tmp_path):
+    cfg = _cfg(tmp_path, shm="off", max_header_bytes=8192)
+    with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(cfg) as sub:
+        pub.submit(Sample(key="k", tensors={"x": torch.zeros(4)}, meta={"pad": "y" * 10_000}))
+        assert sub.get(timeout=2.0) is None
+        assert wait_until(lambda: sub.stats()["rejected_by_reason"].get("header_too_large", 0) >= 1, 10)
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(cfg.bind[0])
+        raw.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "k": P.HEARTBEAT, "name": "z" * 20_000}))
+        assert wait_until(lambda: pub.stats()["rejected_by_reason"].get("header_too_large", 0) == 1, 10)
+        raw.close()
