@@ -80,6 +80,8 @@ from teacher.config import (
     check_layer_ids,
     extraction_engine_args,
     load_teacher_config,
+    model_config,
+    model_dtype,
     model_num_layers,
 )
 from teacher.data import BadRow, check_dataset, iter_rows
@@ -427,7 +429,7 @@ def run(
     if cfg.verify_every:
         from teacher.verify import Verifier
 
-        dtype = cfg.dtype if cfg.dtype != "auto" else _model_dtype(cfg.model)
+        dtype = cfg.dtype if cfg.dtype != "auto" else model_dtype(cfg.model)
         r.verifier = Verifier(
             cfg.model,
             r.verify_dir,
@@ -698,8 +700,9 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
 
     from tqdm import tqdm
 
-    hidden = _hidden_size(cfg.model)
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.dtype, _model_itemsize(cfg.model))
+    hidden = int(model_config(cfg.model)["hidden_size"])
+    dtype = cfg.dtype if cfg.dtype != "auto" else model_dtype(cfg.model)
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     bytes_per_token = len(cfg.layer_ids) * hidden * itemsize
     spool_dir = r.spool_dir
     llm = None
@@ -936,26 +939,6 @@ def _spool_bytes(d: Path) -> int:
         except FileNotFoundError:
             pass
     return total
-
-
-def _model_json(model: str) -> dict:
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
-
-
-def _hidden_size(model: str) -> int:
-    return int(_model_json(model)["hidden_size"])
-
-
-def _model_dtype(model: str) -> str:
-    """The checkpoint's dtype name (what vLLM's dtype=auto uses; float32 checkpoints stay float32)."""
-    dt = str(_model_json(model).get("torch_dtype") or _model_json(model).get("dtype") or "bfloat16")
-    return "float32" if "32" in dt else "float16" if "16" in dt and "bf" not in dt else "bfloat16"
-
-
-def _model_itemsize(model: str) -> int:
-    dt = str(_model_json(model).get("torch_dtype") or _model_json(model).get("dtype") or "bfloat16")
-    return 4 if "32" in dt else 2
 
 
 def main(argv: list[str] | None = None) -> int:

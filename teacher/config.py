@@ -217,8 +217,11 @@ def load_teacher_config(data: dict[str, Any] | None) -> TeacherConfig:
     return validate(TeacherConfig, data, prefix="teacher.")
 
 
-def model_num_layers(model_dir: str) -> int:
-    """num_hidden_layers from a local model folder's config.json (text_config for multimodal)."""
+def model_config(model_dir: str) -> dict:
+    """The text model's config.json of a local model folder (its `text_config` for multimodal ones).
+
+    The one reader of a teacher's config.json. Raises ConfigError naming `teacher.model`.
+    """
     p = Path(model_dir)
     cfg_path = p / "config.json"
     if not p.is_dir():
@@ -232,12 +235,36 @@ def model_num_layers(model_dir: str) -> int:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"teacher.model: cannot read {cfg_path}: {e}") from None
-    n = cfg.get("num_hidden_layers")
-    if n is None and isinstance(cfg.get("text_config"), dict):
-        n = cfg["text_config"].get("num_hidden_layers")
-    if not isinstance(n, int):
-        raise ConfigError(f"teacher.model: {cfg_path} has no integer num_hidden_layers")
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        return {**cfg["text_config"], **{k: cfg[k] for k in ("torch_dtype", "dtype") if k in cfg}}
+    return cfg
+
+
+def model_num_layers(model_dir: str) -> int:
+    """num_hidden_layers from a local model folder's config.json."""
+    n = model_config(model_dir).get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ConfigError(f"teacher.model: {model_dir}/config.json has no integer num_hidden_layers")
     return n
+
+
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "torch.float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "torch.float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+}
+
+
+def model_dtype(model_dir: str) -> str:
+    """The checkpoint's dtype (what vLLM's dtype=auto uses): float32, float16 or bfloat16."""
+    cfg = model_config(model_dir)
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return _DTYPE_NAMES.get(name, "bfloat16")
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:

@@ -117,14 +117,13 @@ class BadRow:
 
 
 def model_vocab_size(model: str) -> int | None:
-    """vocab_size from the model folder's config.json (text_config for multimodal); None if unknown."""
+    """vocab_size from the model folder's config.json; None if unknown."""
+    from teacher.config import model_config
+
     try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
+        v = model_config(model).get("vocab_size")
+    except ConfigError:
         return None
-    v = cfg.get("vocab_size")
-    if v is None and isinstance(cfg.get("text_config"), dict):
-        v = cfg["text_config"].get("vocab_size")
     return v if _is_int(v) and v > 0 else None
 
 
