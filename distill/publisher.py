@@ -31,7 +31,7 @@ from distill.iothread import RateLimitedLog, TransportError, Wake
 from distill.journal import Journal, JournalBusy, check_key
 from distill.protocol import ProtocolError, Sample
 from distill.shm import STAMP_BYTES, ShmRing, clean_stale, ring_name
-from distill.spool import list_spool, read_spool_file, write_sample
+from distill.spool import list_spool, read_spool_file, remove_spool_file, write_sample
 
 log = logging.getLogger("distill.transport")
 
@@ -658,8 +658,7 @@ class Publisher:
             e.shm = None
         freed_spool = 0
         if e.spool_path is not None and not self.spool_cfg.keep:
-            e.spool_path.unlink(missing_ok=True)
-            Path(str(e.spool_path) + ".lock").unlink(missing_ok=True)
+            remove_spool_file(e.spool_path)
             freed_spool = e.spool_size
         with self._cond:
             self._held_bytes -= e.nbytes

@@ -33,6 +33,17 @@ def spool_name(key: str) -> str:
     return f"{safe}-{digest}{SUFFIX}"
 
 
+def lock_path(path: str | os.PathLike) -> Path:
+    """The `<file>.lock` companion of a spool file (vLLM's readers take a shared flock on it)."""
+    return Path(f"{path}.lock")
+
+
+def remove_spool_file(path: str | os.PathLike) -> None:
+    """Delete a spool file and its lock companion (either may be gone already)."""
+    Path(path).unlink(missing_ok=True)
+    lock_path(path).unlink(missing_ok=True)
+
+
 class SpoolChecksumError(ValueError):
     """A spool file whose tensor bytes do not match the CRC32 written with them."""
 
@@ -61,7 +72,7 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
     try:
         save_file(tensors, str(tmp), metadata=meta)
         # vLLM's load_hidden_states takes a shared flock on <file>.lock: make it exist.
-        final.with_name(final.name + ".lock").touch()
+        lock_path(final).touch()
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -72,10 +83,10 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
 def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
     """Load one spool file (ours or vLLM's ExampleHiddenStatesConnector's) into a Sample."""
     p = Path(path)
-    lock_path = p.with_name(p.name + ".lock")
+    lock_file = lock_path(p)
     fd = None
-    if lock and lock_path.exists():
-        fd = os.open(lock_path, os.O_RDONLY)
+    if lock and lock_file.exists():
+        fd = os.open(lock_file, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH)
     try:
         with safe_open(str(p), framework="pt") as f:

@@ -73,7 +73,7 @@ from typing import Any
 
 from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
 from distill.journal import Journal, JournalTail
-from distill.spool import list_spool, spool_name
+from distill.spool import list_spool, remove_spool_file, spool_name
 from teacher.config import (
     ConnectorConfig,
     TeacherConfig,
@@ -787,10 +787,7 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
         raise EngineDied(dead)
     # Lost while the engine shut down (or just before): generate those again.
     take_lost()
-    for p in list_spool(spool_dir):  # vLLM's load_hidden_states opens `<file>.lock`
-        lock = Path(f"{p}.lock")
-        if not lock.exists():
-            lock.touch()
+    # (Every spool file got its `<file>.lock` from distill.spool.write_sample.)
     return bool(pending) and not stop.requested
 
 
@@ -817,8 +814,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
         for k in tail.committed & required:
             f = r.spool_dir / spool_name(k)
             if f.name in names:
-                f.unlink(missing_ok=True)
-                Path(f"{f}.lock").unlink(missing_ok=True)
+                remove_spool_file(f)
     pub = Publisher(transport, r.spool, journal=cfg.journal, auto_end=False)
     try:
         pub.start()

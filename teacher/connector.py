@@ -84,7 +84,7 @@ except ImportError:  # vLLM 0.26
     from contextlib import nullcontext as _sync_allowed
 
 from distill.protocol import Sample
-from distill.spool import spool_name, write_sample
+from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 
 if TYPE_CHECKING:
@@ -449,11 +449,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if job.lock_fd is not None:
                 # Streamed: no file will appear; drop the lock so the spool folder stays clean
                 # (a reader waiting on it then finds no file: FileNotFoundError, as documented).
-                _unlink(job.info.path + ".lock")
+                lock_path(job.info.path).unlink(missing_ok=True)
         else:
-            self._placed["spool"] += 1
-            if job.lock_fd is None or where != job.info.path:
-                _touch(where + ".lock")  # so vLLM's load_hidden_states can read it too
+            self._placed["spool"] += 1  # write_sample left the `.lock` vLLM's reader opens
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """`dst.copy_(src)`, split in chunks over the copy threads when it is large (CUDA path)."""
@@ -492,13 +490,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                     break
                 time.sleep(0.05)
             pub.close()
-            # The Publisher's own spool files (written at close) get a lock file beside them so
-            # vLLM's load_hidden_states reads them as well.
-            from distill.spool import list_spool
-
-            for p in list_spool(self.cfg.spool.dir):
-                if not os.path.exists(f"{p}.lock"):
-                    _touch(f"{p}.lock")
+            # (The Publisher's spool files have their `.lock` companion: distill.spool.write_sample.)
             logger.info("distill: publisher closed: %s", pub.stats())
         for fd in self._lock_fds.values():
             os.close(fd)
@@ -521,17 +513,6 @@ def _layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
 
 def _take_lock(path: str) -> int:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fd = os.open(lock_path(path), os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
-
-
-def _touch(path: str) -> None:
-    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

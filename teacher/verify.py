@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from distill.spool import list_spool, read_spool_file
+from distill.spool import list_spool, read_spool_file, remove_spool_file
 
 log = logging.getLogger("distill.teacher.verify")
 
@@ -215,5 +215,4 @@ def _decoder_layers(model):
 
 
 def _remove(p: Path) -> None:
-    p.unlink(missing_ok=True)
-    Path(f"{p}.lock").unlink(missing_ok=True)
+    remove_spool_file(p)
