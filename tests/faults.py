@@ -431,3 +431,148 @@ def netns_available() -> str | None:
     except (RuntimeError, FileNotFoundError, subprocess.SubprocessError) as e:
         return f"cannot create network namespaces/veth/bridge: {e}"
     return None
+
+
+def ended_by_itself(procs: Procs, timeout: float = 30) -> bool:
+    """Every process `procs` started, and every descendant it ever had, has ended (none needs the
+    teardown's kill): True, or AssertionError naming what still runs after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = procs.leftovers()
+        if not left:
+            return True
+        if time.monotonic() > deadline:
+            names = []
+            for p in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    names.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+            raise AssertionError(f"processes still running {timeout:.0f}s after the run ended: {names}")
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packet capture on a host's interface (AF_PACKET; no tcpdump needed)
+# ---------------------------------------------------------------------------------------------
+
+# Runs inside the host's namespace (`ip netns exec`): every frame seen on the interface, in and
+# out, appended to OUT as <u32 length><u8 packet type><frame>, until the file STOP exists; then the
+# socket is drained and OUT.ready is replaced by OUT (complete).
+_CAPTURE = r"""
+import os, socket, struct, sys
+out, stop, ifname = sys.argv[1], sys.argv[2], sys.argv[3]
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+try:
+    s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE (root)
+except OSError:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+s.bind((ifname, 0))
+n = nbytes = 0
+with open(out + ".part", "wb") as f:
+    open(out + ".ready", "w").close()
+    stopping = False
+    while True:
+        s.settimeout(0.0 if stopping else 0.2)
+        try:
+            data, addr = s.recvfrom(1 << 20)
+        except (socket.timeout, BlockingIOError):
+            if stopping:
+                break
+            stopping = os.path.exists(stop)
+            continue
+        if addr[0] != ifname:
+            continue
+        f.write(struct.pack("<IB", len(data), addr[2]) + data)
+        n += 1
+        nbytes += len(data)
+os.replace(out + ".part", out)
+print(f"capture on {ifname}: {n} frames, {nbytes} bytes", flush=True)
+"""
+
+
+class Capture:
+    """A raw capture of every frame on `host`'s eth0, run inside its namespace:
+
+    cap = Capture(procs, hosts, "s", tmp / "s.cap")   # returns once the socket is bound
+    ...                                               # traffic
+    cap.stop()                                        # the capture process ends by itself
+    cap.frames, cap.bytes, cap.streams                # what crossed the link
+    cap.contains(b"marker")                           # in a frame, or in a reassembled tcp stream
+    """
+
+    def __init__(self, procs: Procs, hosts: Hosts, host: str, out: Path, ifname: str = "eth0"):
+        self.out = Path(out)
+        self.stop_file = self.out.with_name(self.out.name + ".stop")
+        self.proc = procs.start(
+            f"capture-{host}",
+            [sys.executable, "-c", _CAPTURE, str(self.out), str(self.stop_file), ifname],
+            prefix=["ip", "netns", "exec", hosts.ns[host]],
+        )
+
+        def died():
+            if not self.proc.alive():
+                raise AssertionError(
+                    f"the capture ended early (exit {self.proc.poll()}):\n{self.proc.tail()}"
+                )
+
+        wait_until(lambda: Path(str(self.out) + ".ready").exists(), 60, "the capture socket", check=died)
+        self.raw: list[tuple[int, bytes]] = []
+        self.streams: dict[tuple, bytes] = {}
+
+    def stop(self, settle_s: float = 0.5, timeout: float = 30) -> None:
+        time.sleep(settle_s)  # the last frames (acks, FIN) reach the socket
+        self.stop_file.touch()
+        rc = self.proc.wait(timeout)
+        assert rc == 0, f"capture exit {rc}:\n{self.proc.tail()}"
+        self._parse(self.out.read_bytes())
+
+    @property
+    def frames(self) -> int:
+        return len(self.raw)
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(f) for _, f in self.raw)
+
+    def tcp_payload_bytes(self, port: int) -> int:
+        """Bytes of tcp payload to or from `port` (both directions)."""
+        return sum(len(b) for (_, sp, _, dp), b in self.streams.items() if port in (sp, dp))
+
+    def contains(self, needle: bytes) -> bool:
+        return any(needle in f for _, f in self.raw) or any(needle in b for b in self.streams.values())
+
+    def _parse(self, data: bytes) -> None:
+        import struct
+
+        i = 0
+        while i + 5 <= len(data):
+            n, ptype = struct.unpack_from("<IB", data, i)
+            self.raw.append((ptype, data[i + 5 : i + 5 + n]))
+            i += 5 + n
+        # tcp payloads per direction, ordered by sequence number (relative to the first seen, so a
+        # wrap of the 32-bit counter orders right); a retransmitted segment counts once
+        segs: dict[tuple, dict[int, bytes]] = collections.defaultdict(dict)
+        first: dict[tuple, int] = {}
+        for _, fr in self.raw:
+            if len(fr) < 34 or struct.unpack_from("!H", fr, 12)[0] != 0x0800:
+                continue  # not IPv4 over Ethernet
+            ip = 14
+            ihl = (fr[ip] & 0x0F) * 4
+            total = struct.unpack_from("!H", fr, ip + 2)[0]
+            if fr[ip + 9] != 6 or len(fr) < ip + ihl + 20:
+                continue  # not tcp
+            t = ip + ihl
+            sport, dport, seq = struct.unpack_from("!HHI", fr, t)
+            doff = (fr[t + 12] >> 4) * 4
+            end = ip + total if total else len(fr)  # total 0: a GSO frame over 64 KiB
+            payload = fr[t + doff : end]
+            if not payload:
+                continue
+            flow = (
+                socket.inet_ntoa(fr[ip + 12 : ip + 16]),
+                sport,
+                socket.inet_ntoa(fr[ip + 16 : ip + 20]),
+                dport,
+            )
+            base = first.setdefault(flow, seq)
+            segs[flow].setdefault((seq - base) % (1 << 32), payload)
+        self.streams = {f: b"".join(s[k] for k in sorted(s)) for f, s in segs.items()}
