@@ -526,12 +526,27 @@ def test_engine_core_killed(procs, tmp_path, tiny_teacher, texts):
     _need_vllm()
     n = 160
     data, expected = dataset(tmp_path, texts, n)
-    run = run_file(tmp_path, tiny_teacher, data, faults.free_port(), vllm=True, teacher={"window": 4})
+    # A small memory budget and spool limit pace generation to the students (the producer waits),
+    # so the engine is still generating when it is killed (the tiny model alone would finish all
+    # rows in about a second).
+    run = run_file(
+        tmp_path,
+        tiny_teacher,
+        data,
+        faults.free_port(),
+        vllm=True,
+        teacher={"window": 4},
+        transport={"max_buffer_bytes": 256 << 10},
+        spool={"max_bytes": 256 << 10},
+    )
     t0 = time.monotonic()
     teacher = start_vllm(procs, "teacher1", run)
     students = start_students(procs, "students", run)
     wait_until(
-        lambda: len(committed(run)) >= 8, 300, "8 samples trained", check=alive_or_fail(teacher, students)
+        lambda: len(committed(run)) >= 8 and teacher.engine_core() is not None,
+        300,
+        "8 samples trained while the engine runs",
+        check=alive_or_fail(teacher, students),
     )
     core = teacher.engine_core()
     assert core is not None, "no EngineCore process under distill-teacher"
