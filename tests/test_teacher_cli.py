@@ -161,8 +161,11 @@ def _spool_rows(spool: Path, keys: list[str]) -> None:
 class _Student(threading.Thread):
     """A Subscriber in the test process: acks (= commits) every sample, records keys and END."""
 
-    def __init__(self, endpoint: str, *, commit_on_ack: bool = True, leave_after: int = 0, **cfg):
+    def __init__(
+        self, endpoint: str, *, commit_on_ack: bool = True, leave_after: int = 0, delay_s: float = 0.0, **cfg
+    ):
         super().__init__(daemon=True)
+        self.delay_s = delay_s  # time "training" each sample before the ack
         self.cfg = TransportConfig(connect=[endpoint], shm="off", **cfg)
         self.commit_on_ack = commit_on_ack
         self.leave_after = leave_after  # > 0: leave (BYE) after this many samples, committing nothing
@@ -181,6 +184,8 @@ class _Student(threading.Thread):
                             break
                         continue
                     self.keys.append(s.key)
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
                     sub.ack(s)
                     if self.leave_after and len(self.keys) >= self.leave_after:
                         time.sleep(1.0)  # the acks reach the teacher before BYE (a transport test's job)
@@ -556,9 +561,15 @@ def test_engine_killed_mid_run_exits_1_and_never_sends_end(assets, tmp_path):
     _, model, _ = assets
     data = write_tiny_dataset(tmp_path / "d.jsonl", 64, seed=13)
     cfg = _config(tmp_path, model, data, window=1, student_wait_s=60)
-    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+    # A slow student and small memory and spool limits pace generation (the producer waits), so the
+    # engine is still generating when it is killed: the tiny model alone finishes in a second or two.
+    run = yaml.safe_load(cfg.read_text())
+    run["transport"]["max_buffer_bytes"] = 64 << 10
+    run["spool"]["max_bytes"] = 64 << 10
+    cfg.write_text(yaml.safe_dump(run))
+    ep = run["transport"]["bind"][0]
     journal = tmp_path / "journal.txt"
-    student = _Student(ep)
+    student = _Student(ep, delay_s=0.1)
     student.start()
     teacher = subprocess.Popen(
         [*CLI, "--config", str(cfg), "--set", "transport.connect_timeout_s=120"],
@@ -571,7 +582,8 @@ def test_engine_killed_mid_run_exits_1_and_never_sends_end(assets, tmp_path):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and teacher.poll() is None:
             if journal.exists() and len(journal.read_text().splitlines()) >= 3:
-                break
+                if _engine_core(teacher.pid) is not None:
+                    break
             time.sleep(0.05)
         core = _engine_core(teacher.pid)
         assert core is not None, "no EngineCore process under distill-teacher"
