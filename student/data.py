@@ -323,6 +323,7 @@ class TokenBudgetBatcher:
 # Sample sources: the same small interface over a live teacher and a spool folder.
 #   get(timeout) -> Sample | None     None on timeout, or when `exhausted`
 #   exhausted                          no sample will ever come again
+#   run_ended                          the teacher said every key is committed: every rank may stop
 #   draining                           the teacher has nothing waiting: flush partial batches now
 #   ack(samples)                       after the optimizer step that used them
 #   valid(sample) -> bool              after collate copied it: False = its memory was reused (stale)
@@ -388,6 +389,7 @@ class SpoolSource:
         pass
 
     uncommitted = 0
+    run_ended = False  # this rank's share is read; the other ranks' shares may not be
 
     def stats(self) -> dict:
         return {}
@@ -426,6 +428,10 @@ class StreamSource:
     @property
     def exhausted(self) -> bool:
         return bool(self.sub.finished)
+
+    @property
+    def run_ended(self) -> bool:
+        return bool(self.sub.finished)  # END comes only once every key of the run is committed
 
     @property
     def draining(self) -> bool:

@@ -453,9 +453,23 @@ def training_function(cfg: StudentConfig, run, args) -> None:
             idle_here = source.draining and not batcher.pending and not samples and micro == 0
             uncommitted = cfg.checkpoint_every > 0 and source.uncommitted > 0
 
-            # 2. Agree (collective 1): samples proposed, finished, failed, idle, uncommitted acks, backlog.
-            info = [len(samples), done_here, code, idle_here, uncommitted, batcher.filled]
+            # 2. Agree (collective 1): samples proposed, finished, failed, idle, uncommitted acks,
+            #    backlog, END heard.
+            ended = int(source.run_ended)
+            info = [len(samples), done_here, code, idle_here, uncommitted, batcher.filled, ended]
             info = gather_ctl(torch.tensor(info, dtype=torch.int64))
+            if int(info[:, 6].max()) > 0:
+                # Some rank heard END: every teacher has every key committed, so the run is complete.
+                # A rank that missed it (its host was away when END was sent) holds only copies of
+                # committed keys: it drops them and stops with the others instead of waiting for a
+                # teacher that has left.
+                if samples:
+                    source.discard(samples)
+                    counts["stale"] += len(samples)
+                samples, batch, code = [], None, 0
+                info[:, 0] = 0
+                info[:, 1] = 1
+                info[:, 2] = 0
             if int(info[:, 2].max()) > 0:
                 if int(info[:, 2].max()) == 2:
                     gone = error or "another rank heard nothing from the teacher"

@@ -414,6 +414,11 @@ class Hosts:
     def link(self, host: str, up: bool) -> None:
         _ip("-n", self.switch, "link", "set", self.port[host], "up" if up else "down")
 
+    def cut(self, host: str, peer: str, cut: bool = True) -> None:
+        """Cut (or mend) only the path from `host` to `peer`: a blackhole route on `host`, its other
+        paths stay up (both directions stop: `host` drops what it would answer)."""
+        _ip("-n", self.ns[host], "route", "add" if cut else "del", "blackhole", f"{self.addr[peer]}/32")
+
     def close(self) -> None:
         for ns in reversed(self._made_ns):
             # processes still inside would keep the namespace's devices: callers kill them first

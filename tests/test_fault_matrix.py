@@ -794,3 +794,53 @@ def test_link_down_two_student_hosts(procs, hosts, tmp_path, tiny_teacher, texts
     the gloo collectives meanwhile); the teacher must not leave while a host is away, and when the
     cable is back the old rank must not train those samples again. Every process ends by itself."""
     _link_row(f"link down {down_s} s", procs, hosts, tmp_path, tiny_teacher, texts, down_s=down_s, n=200)
+
+
+def test_one_host_cut_off_from_the_teacher_until_it_leaves(procs, hosts, tmp_path, tiny_teacher, texts):
+    """Two student hosts; s1 loses its path to the teacher only (a blackhole route: rank-to-rank
+    traffic goes on) and gets it back only after the teacher has left. The teacher redelivers what
+    s1 held to s0, s0 trains everything and hears END; s1 never hears it. The ranks must stop
+    together, exit 0, instead of s1 waiting transport.teacher_wait_s for a teacher that is gone
+    (what CI once saw after a link flap, when s1's reconnect came after the teacher's END)."""
+    n = 120
+    data, expected = dataset(tmp_path, texts, n)
+    run = run_file(
+        tmp_path,
+        tiny_teacher,
+        data,
+        faults.free_port(),
+        host=hosts.addr["t"],
+        transport={"credit_samples": 64, "shm_dir": "/dev/shm", "teacher_wait_s": 300, "heartbeat_timeout_s": 5},
+    )
+    t0 = time.monotonic()
+    teacher = start_synthetic(
+        procs, "teacher", tiny_teacher, data, run, "--rate", "8", prefix=hosts.prefix("t", True)
+    )
+    master_port = str(20000 + (os.getpid() + 7) % 20000)
+    jobs = []
+    for r, host in enumerate(["s0", "s1"]):
+        launch = ["--num_machines", "2", "--machine_rank", str(r), "--main_process_ip", hosts.addr["s0"]]
+        launch += ["--main_process_port", master_port]
+        jobs.append(
+            start_students(
+                procs,
+                f"students-{host}",
+                run,
+                launch=launch,
+                prefix=hosts.prefix(host, True),
+                env={"GLOO_SOCKET_IFNAME": "eth0"},
+            )
+        )
+    wait_until(
+        lambda: len(committed(run)) >= 16, 300, "16 samples trained", check=alive_or_fail(teacher, *jobs)
+    )
+    hosts.cut("s1", "t")
+    try:
+        t_rc = teacher.wait(300)
+    finally:
+        hosts.cut("s1", "t", cut=False)
+    rcs = [wait_students(j, 120) for j in jobs]
+    codes = {"students-s0": rcs[0], "students-s1": rcs[1], "teacher": t_rc}
+    assert rcs == [0, 0] and t_rc == 0, f"{codes}\n{jobs[0].tail()}\n{jobs[1].tail()}\n{teacher.tail()}"
+    ended = faults.ended_by_itself(procs)
+    report("one host cut off from the teacher until it leaves", run, expected, codes, t0, ended_by_itself=ended)
