@@ -810,7 +810,12 @@ def test_one_host_cut_off_from_the_teacher_until_it_leaves(procs, hosts, tmp_pat
         data,
         faults.free_port(),
         host=hosts.addr["t"],
-        transport={"credit_samples": 64, "shm_dir": "/dev/shm", "teacher_wait_s": 300, "heartbeat_timeout_s": 5},
+        transport={
+            "credit_samples": 64,
+            "shm_dir": "/dev/shm",
+            "teacher_wait_s": 300,
+            "heartbeat_timeout_s": 5,
+        },
     )
     t0 = time.monotonic()
     teacher = start_synthetic(
@@ -843,4 +848,6 @@ def test_one_host_cut_off_from_the_teacher_until_it_leaves(procs, hosts, tmp_pat
     codes = {"students-s0": rcs[0], "students-s1": rcs[1], "teacher": t_rc}
     assert rcs == [0, 0] and t_rc == 0, f"{codes}\n{jobs[0].tail()}\n{jobs[1].tail()}\n{teacher.tail()}"
     ended = faults.ended_by_itself(procs)
-    report("one host cut off from the teacher until it leaves", run, expected, codes, t0, ended_by_itself=ended)
+    report(
+        "one host cut off from the teacher until it leaves", run, expected, codes, t0, ended_by_itself=ended
+    )
