@@ -46,6 +46,7 @@ class _Teacher:
     ring: str | None = None  # the shared-memory ring of the current session
     welcomed: bool = False
     hello_pending: bool = False  # a HELLO went out and no WELCOME came yet
+    hellos_out: int = 0  # HELLOs not answered yet (a keepalive HELLO and a RESET's may overlap)
     draining: bool = False
     ended: bool = False
     last_seen: float = field(default_factory=time.monotonic)
@@ -295,6 +296,7 @@ class Subscriber:
     def _hello(self, t: _Teacher) -> None:
         t.welcomed = False
         t.hello_pending = True
+        t.hellos_out += 1
         t.last_hello = time.monotonic()
         # What belonged to the old session's handshake is void; ACKs and COMMITs still go out.
         t.outbox = collections.deque(x for x in t.outbox if x[0] not in (P.CREDIT, P.ACKED))
@@ -491,7 +493,14 @@ class Subscriber:
         h = P.decode_control(h)
         if kind == P.WELCOME:
             if not t.hello_pending:
+                if t.hellos_out > 0 and h["tid"] == t.tid:
+                    # The answer to an earlier HELLO of this session (two HELLOs crossed, e.g. a
+                    # keepalive one and a RESET's): the first answer already set the session up.
+                    t.hellos_out -= 1
+                    self._counters["extra_welcomes"] += 1
+                    return
                 raise ProtocolError("foreign", "WELCOME without a HELLO")
+            t.hellos_out = max(0, t.hellos_out - 1)
             t.last_seen = time.monotonic()
             if h["run"] is not None and self.run_id is not None and h["run"] != self.run_id:
                 self._error = TransportError(
