@@ -38,7 +38,28 @@ def extraction_engine_args(
     }
 
 
-class ConnectorConfig(Strict):
+class ConnectorTuning(Strict):
+    """Connector settings that the run file's `teacher` section sets too: one definition (and one
+    default) for both `TeacherConfig` and `ConnectorConfig`; distill-teacher hands them over with
+    `TeacherConfig.connector_tuning()`."""
+
+    # Samples copied off the cache but not yet handed to the Publisher; beyond it the engine step
+    # waits (only when even the spool cannot keep up).
+    queue_samples: int = Field(64, gt=0)
+    # CUDA only: reused pinned staging buffers for the device-to-host copy. Keep it >= the requests
+    # that finish per engine step: the rest are copied synchronously on the engine's thread (H200,
+    # Qwen3-8B: 4 buffers gave 0.80x plain prefill, 32 gave 0.977x generate; BENCHMARKS.md).
+    pinned_buffers: int = Field(32, ge=0)
+    # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
+    # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
+    # the sender thread. Shortens the time from a request's end to the student having it.
+    copy_threads: int = Field(4, ge=1, le=64)
+    # At engine (connector) shutdown, generation done: wait at most this long for students to ack
+    # the samples they hold before the Publisher spools the rest (the serve phase replays the spool).
+    drain_timeout_s: float = Field(5.0, ge=0)
+
+
+class ConnectorConfig(ConnectorTuning):
     """What `DistillHiddenStatesConnector` reads from `kv_connector_extra_config`."""
 
     # stream: hand samples to the ZeroMQ Publisher (it spools when no student / memory is full);
@@ -53,20 +74,6 @@ class ConnectorConfig(Strict):
     journal: str | None = None
     # Save generated tokens' states too when a request does not say (`include_output_tokens`).
     include_output_tokens: bool = False
-    # Samples copied off the cache but not yet handed to the Publisher; beyond it the engine step
-    # waits (only when even the spool cannot keep up).
-    queue_samples: int = Field(64, gt=0)
-    # CUDA only: reused pinned staging buffers for the device-to-host copy. Keep it >= the requests
-    # that finish per engine step: the rest are copied synchronously on the engine's thread (H200,
-    # Qwen3-8B: 4 buffers gave 0.80x plain prefill, 32 gave 0.977x generate; BENCHMARKS.md).
-    pinned_buffers: int = Field(32, ge=0)
-    # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
-    # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
-    # the sender thread. Shortens the time from a request's end to the student having it.
-    copy_threads: int = Field(4, ge=1, le=64)
-    # At connector shutdown: how long to wait for students to ack what is still in flight before
-    # the Publisher spools it.
-    drain_timeout_s: float = Field(5.0, ge=0)
     # Hold `<spool file>.lock` while a sample is undecided, so vLLM's `load_hidden_states` on the
     # returned path waits for it (as with vLLM's own connector).
     use_lock: bool = True
@@ -88,7 +95,7 @@ class ConnectorConfig(Strict):
         return validate(cls, data, prefix="kv_connector_extra_config.")
 
 
-class TeacherConfig(Strict):
+class TeacherConfig(ConnectorTuning):
     """The `teacher` section of a run file."""
 
     # Local model folder (config.json + weights + tokenizer).
@@ -99,7 +106,8 @@ class TeacherConfig(Strict):
     max_model_len: int = Field(2048, gt=0)
     tensor_parallel_size: int = Field(1, gt=0)
     # Layer ids to extract: 0 = embeddings, k = output of decoder layer k-1, L = num_hidden_layers =
-    # the last layer's output BEFORE the final norm.
+    # the last layer's output BEFORE the final norm. `eagle3`: EAGLE-3's choice for an L-layer
+    # model, [2, L//2, L-3, L] (3 aux layers + the last), resolved from the model's config.json.
     layer_ids: list[int] = Field(min_length=1)
     # vLLM: no CUDA graphs / compilation (faster start, slower steps).
     enforce_eager: bool = False
@@ -121,6 +129,10 @@ class TeacherConfig(Strict):
     messages_field: str = "messages"
     # Column with token ids (pre-tokenized data; no tokenizer needed, e.g. with dummy weights).
     tokens_field: str = "input_ids"
+    # Column with a pre-tokenized row's loss mask (0/1 per token, as long as the tokens), passed
+    # through to every sample's `loss_mask`; without it: all ones (all zeros when generated tokens
+    # are kept). Text rows: all ones; chat rows: 1 on the assistant turns' tokens (teacher/data.py).
+    loss_mask_field: str = "loss_mask"
     # Column with the sample key; None: the row number ("row-<n>").
     key_field: str | None = "id"
     # HF folders with several splits (DatasetDict): which one.
@@ -149,10 +161,6 @@ class TeacherConfig(Strict):
     # covered by a checkpoint) plus `!lost<TAB>key` records; a restarted teacher skips committed
     # keys. Required: it is how this process learns what the students finished.
     journal: str = "runs/journal.txt"
-    # At engine shutdown (generation done): wait at most this long for students to ack the samples
-    # they hold before the rest is spooled (the serve phase replays the spool). The one drain
-    # setting: the connector gets the same value.
-    drain_timeout_s: float = Field(5.0, ge=0)
     # Deprecated, ignored (the serve phase replaced the idle wait; see student_wait_s).
     idle_timeout_s: float | None = Field(None, ge=0)
     # What to do once everything is generated: serve (keep serving the spool until every sample is
@@ -167,11 +175,10 @@ class TeacherConfig(Strict):
     progress_every_s: float = Field(5.0, gt=0)
     # Where the run's summary JSON goes; None: `<journal>.summary.json`.
     summary_path: str | None = None
-    # Connector settings that the run file's transport/spool sections do not cover.
+    # The connector's mode (ConnectorConfig.mode); its other settings the run file's transport and
+    # spool sections do not cover are ConnectorTuning's (queue_samples, pinned_buffers,
+    # copy_threads, drain_timeout_s).
     connector_mode: Literal["stream", "spool"] = "stream"
-    queue_samples: int = Field(64, gt=0)
-    pinned_buffers: int = Field(32, ge=0)
-    copy_threads: int = Field(4, ge=1, le=64)
     # The live correctness probe (teacher/verify.py): every N-th submitted sample is recomputed
     # with transformers and compared (token ids, every delivered layer); 0 = off.
     verify_every: int = Field(0, ge=0)
@@ -184,6 +191,13 @@ class TeacherConfig(Strict):
     verify_device: str = "cpu"
     # Extra keyword arguments for vllm.LLM (escape hatch; prefer the typed keys above).
     engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eagle3(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("layer_ids") == "eagle3":
+            data = {**data, "layer_ids": eagle3_layer_ids(model_num_layers(str(data.get("model"))))}
+        return data
 
     @field_validator("layer_ids")
     @classmethod
@@ -209,6 +223,10 @@ class TeacherConfig(Strict):
         if self.include_output_tokens and self.max_tokens < 2:
             raise ValueError("include_output_tokens needs max_tokens >= 2 (the last token has no state)")
         return self
+
+    def connector_tuning(self) -> dict[str, Any]:
+        """The ConnectorTuning settings of this section, to build the connector's config from."""
+        return self.model_dump(include=set(ConnectorTuning.model_fields))
 
 
 def load_teacher_config(data: dict[str, Any] | None) -> TeacherConfig:
@@ -265,6 +283,19 @@ def model_dtype(model_dir: str) -> str:
     cfg = model_config(model_dir)
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return _DTYPE_NAMES.get(name, "bfloat16")
+
+
+def eagle3_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's layers for an n-layer model: [2, n//2, n-3] (low, middle, high aux layers) and n
+    (the last layer, before the final norm). Needs n >= 7 for four distinct ascending ids."""
+    n = num_layers
+    ids = [2, n // 2, n - 3, n]
+    if ids != sorted(set(ids)):
+        raise ConfigError(
+            f"teacher.layer_ids: eagle3 means [2, n//2, n-3, n], which needs num_hidden_layers >= 7; "
+            f"this model has {n} (would give {ids}): list the layer ids explicitly"
+        )
+    return ids
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:

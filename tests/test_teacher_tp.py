@@ -29,7 +29,7 @@ def test_tp2_rank0_only_one_file_per_sample(tmp_path, capfd):
         load_hidden_states,
     )
 
-    from teacher.cli import shutdown_llm
+    from teacher.engine import shutdown_llm
     from teacher.config import extraction_engine_args
 
     model = build_tiny_model(tmp_path / "tiny")

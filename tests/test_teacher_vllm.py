@@ -69,7 +69,7 @@ def setup(tmp_path_factory):
     )
     sub = Subscriber(transport).start()
     yield {"llm": llm, "model": model, "rows": rows, "sub": sub, "root": root}
-    from teacher.cli import shutdown_llm
+    from teacher.engine import shutdown_llm
 
     shutdown_llm(llm, timeout_s=20)
     sub.close()

@@ -1,0 +1,182 @@
+"""SERVE phase of `distill-teacher` (see teacher/cli.py): this process's own Publisher replays the
+spool until every key is committed in the journal, then sends END. Keys lost while serving, or
+missing (neither committed nor spooled nor held by anyone), send the run back to GENERATE."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from distill.journal import JournalTail
+from distill.spool import list_spool, remove_spool_file, spool_name
+from teacher.state import Run, ServeFailed, Stop, say
+
+log = logging.getLogger("distill.teacher")
+
+
+def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
+    """Replay the spool to students until every required key is committed.
+
+    Returns ("done" | "lost" | "gone" | "signal", keys to generate again).
+    """
+    from distill.transport import Publisher
+
+    transport = r.transport.model_copy(update={"teacher_id": f"{r.base_tid}-serve{rnd}"})
+    phase = {"phase": "serve", "round": rnd, "served": 0, "lost": 0}
+    r.phases.append(phase)
+    t_phase = time.monotonic()
+    tail = JournalTail(r.cfg.journal)
+    tail.poll()
+    committed0 = len(tail.committed & r.required)
+    if not r.spool.keep:
+        _remove_committed_spool_files(r, tail.committed)
+    pub = Publisher(transport, r.spool, journal=r.cfg.journal, auto_end=False)
+    try:
+        pub.start()
+    except Exception as e:
+        raise ServeFailed(f"cannot start the serve Publisher on {transport.bind}: {e}") from e
+    watch = _Watch(r, pub, tail, phase, committed0)
+    try:
+        pub.close_input()
+        while watch.outcome is None:
+            time.sleep(0.2)
+            if stop.requested:
+                watch.outcome = "signal"
+                break
+            watch.step(time.monotonic())
+        if watch.outcome == "done":
+            _send_end(pub, transport, stop)
+    except KeyboardInterrupt:
+        watch.outcome = "signal"
+        raise
+    finally:
+        pub.close()
+        tail.poll()
+        phase["served"] = len(tail.committed & r.required) - committed0
+        phase["seconds"] = round(time.monotonic() - t_phase, 3)
+        phase["outcome"] = watch.outcome or "gone"
+    return watch.outcome, watch.lost
+
+
+def _remove_committed_spool_files(r: Run, committed: set[str]) -> None:
+    """Spool files of committed keys (a crash between the commit and the unlink) are delivered:
+    remove them rather than replay them (students would only skip them)."""
+    names = r.spooled_names()
+    for k in committed & r.required:
+        f = r.spool_dir / spool_name(k)
+        if f.name in names:
+            remove_spool_file(f)
+
+
+class _Watch:
+    """One look every 0.2 s at the journal and the Publisher: progress line, lost and missing keys,
+    and the outcome (None while serving goes on)."""
+
+    def __init__(self, r: Run, pub, tail: JournalTail, phase: dict, committed0: int):
+        self.r, self.pub, self.tail, self.phase = r, pub, tail, phase
+        self.required = r.required
+        self.grace = max(5.0, 2 * pub.cfg.heartbeat_timeout_s)
+        now = time.monotonic()
+        self.last_progress = now
+        self.last_print = now - r.cfg.progress_every_s  # a first line at once
+        self.last_rate = (now, committed0)
+        self.last_marks = None
+        self.idle_missing_since = None
+        self.lost: set[str] = set()
+        self.outcome: str | None = None
+
+    def step(self, now: float) -> None:
+        self.tail.poll()
+        committed = self.tail.committed & self.required
+        st = self.pub.stats()
+        students = int(st.get("students", 0))
+        self.r.students_max = max(self.r.students_max, students)
+        self._take_lost(committed)
+        self._note_progress(now, committed, st, students)
+        if now - self.last_print >= self.r.cfg.progress_every_s:
+            self._print(now, committed, st, students)
+        if len(committed) == len(self.required):
+            self.outcome = "done"
+            return
+        idle = not (st.get("pending", 0) or st.get("inflight", 0) or st.get("spool_files", 0))
+        if self.lost and idle:
+            self.outcome = "lost"
+            return
+        if not (idle and not st.get("uncommitted", 0)):
+            self.idle_missing_since = None  # something moves: missing keys may still come
+        elif self._missing_too_long(now, committed):
+            self.outcome = "lost"
+            return
+        if self.r.cfg.student_wait_s and now - self.last_progress > self.r.cfg.student_wait_s:
+            self.outcome = "gone"
+
+    def _take_lost(self, committed: set[str]) -> None:
+        for k in self.pub.take_lost():
+            self.r.lost += 1
+            self.phase["lost"] += 1
+            if k in self.required and k not in committed:
+                self.lost.add(k)
+        self.lost -= committed
+
+    def _note_progress(self, now: float, committed: set[str], st: dict, students: int) -> None:
+        """Progress: a commit, an ack, a sample sent, or one more student."""
+        marks = (len(committed), st.get("acked", 0), st.get("sent", 0), st.get("committed", 0), students)
+        if marks != self.last_marks:
+            last = self.last_marks
+            if last is None or marks[:4] != last[:4] or students > last[4]:
+                self.last_progress = now
+            self.last_marks = marks
+
+    def _missing_too_long(self, now: float, committed: set[str]) -> bool:
+        """Nothing waits, nothing is held, yet keys are neither committed nor spooled: after a grace
+        period (students of the engine's Publisher may still commit) they are generated again."""
+        names = self.r.spooled_names()
+        missing = {k for k in self.required - committed if spool_name(k) not in names}
+        if not missing:
+            self.idle_missing_since = None
+            return False
+        self.idle_missing_since = self.idle_missing_since or now
+        if now - self.idle_missing_since <= self.grace:
+            return False
+        log.warning(
+            "%d samples are neither committed nor spooled nor held by a student; generating them again",
+            len(missing),
+        )
+        self.lost |= missing
+        return True
+
+    def _print(self, now: float, committed: set[str], st: dict, students: int) -> None:
+        t_prev, c_prev = self.last_rate
+        rate = (len(committed) - c_prev) / max(now - t_prev, 1e-9)
+        self.last_rate = (now, len(committed))
+        self.last_print = now
+        idle_s = now - self.last_progress
+        waiting = f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
+        say(
+            f"serving: committed {len(committed)}/{len(self.required)}, "
+            f"in spool {len(list_spool(self.r.spool_dir))}, in flight {st.get('inflight', 0)}, "
+            f"students {students}, {rate:.1f} samples/s{waiting}"
+        )
+
+
+def _send_end(pub, transport, stop: Stop) -> None:
+    """END goes out once nothing is waiting or in flight; then it must reach the students."""
+    pub.end()
+    end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)
+    if pub.wait_done(timeout=end_wait):
+        # Students of the engine's Publisher (closed moments ago) reconnect within a few
+        # heartbeats (RESET -> HELLO); each gets END on arrival. Then END must reach them.
+        linger = max(3.0, 4 * transport.heartbeat_interval_s)
+        t_end = time.monotonic()
+        while time.monotonic() - t_end < linger and not stop.requested:
+            time.sleep(0.1)
+        return
+    st = pub.stats()
+    log.warning(
+        "every sample is committed, but END was not sent within %.0fs (%d spool files of "
+        "keys outside this dataset still wait, %d in flight): students may wait for a "
+        "teacher until their transport.teacher_wait_s",
+        end_wait,
+        st.get("spool_files", 0) + st.get("pending", 0),
+        st.get("inflight", 0),
+    )
