@@ -55,7 +55,14 @@ so the final fate of a streamed sample is known from the Publisher's journal (ac
 spool folder, not from the response. Per-request `kv_transfer_params` in: `sample_key` (str),
 `meta` (a small msgpack-able map carried in the sample header), `include_output_tokens` (bool),
 `verify` (bool: with `verify_dir` set, a copy of what is delivered is written there for the live
-probe, teacher/verify.py).
+probe, teacher/verify.py), `loss_spans` (the prompt's loss mask as [start, end) token spans;
+teacher/data.py's Prompter computes it).
+
+Every sample carries `loss_mask` [num_tokens] uint8 next to `hidden_states` and `token_ids` (in the
+stream and in spool files; vLLM's `load_hidden_states` returns it as one more entry of its dict):
+the prompt's `loss_spans` clipped to the prompt (a truncated prompt keeps what is left of its
+mask), and 1 on every generated token. A request without `loss_spans` (e.g. an outside client of
+teacher.serve) gets a prompt of all ones, or of all zeros when its generated tokens are kept.
 
 Layer order: vLLM collects the extracted layers in execution order (ascending id) whatever the
 order of `eagle_aux_hidden_state_layer_ids`; the connector delivers them in the configured order
@@ -107,6 +114,10 @@ class _SampleInfo:
     meta: dict[str, Any]
     path: str  # spool path (lock file beside it)
     verify: bool = False  # a probed request: a copy of what is delivered goes to verify_dir
+    # Loss mask over the prompt as [start, end) spans (kv_transfer_params["loss_spans"]); None:
+    # the request did not say (prompt all ones, or all zeros when generated tokens are kept).
+    loss_spans: list[list[int]] | None = None
+    prompt_len: int = -1  # prompt tokens (set when the request finishes; -1: unknown)
 
 
 @dataclass
@@ -233,11 +244,21 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             raise ValueError(
                 f"kv_transfer_params['meta'] of request {req_id} must be a map, got {type(meta)}"
             )
+        spans = kv_params.get("loss_spans")
+        if spans is not None and not _spans_ok(spans):
+            # A malformed mask from an outside client must not stop the engine: the default is used.
+            logger.warning(
+                "distill: request %s: kv_transfer_params['loss_spans'] must be a list of [start, end) "
+                "integer pairs; ignored (default loss mask)",
+                req_id,
+            )
+            spans = None
         return _SampleInfo(
             key=key,
             meta=meta,
             path=os.path.join(self.cfg.spool.dir, spool_name(key)),
             verify=bool(kv_params.get("verify")) and self.cfg.verify_dir is not None,
+            loss_spans=[[int(a), int(b)] for a, b in spans] if spans is not None else None,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -271,6 +292,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         delay, _ = super().request_finished(request, block_ids)
         if not delay or info is None:
             return delay, None
+        info.prompt_len = int(request.num_prompt_tokens)
         self._finished_info[request.request_id] = info
         params: dict[str, Any] = {
             "sample_key": info.key,
@@ -412,7 +434,13 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         hs = job.hidden_states
         if job.copy_done is not None:
             job.copy_done.synchronize()
-        tensors = {"hidden_states": hs, "token_ids": job.token_ids}
+        # Names in sorted order: a spool file lists its tensors so, and its CRC covers them in
+        # the order the producer had them (the same order, then).
+        tensors = {
+            "hidden_states": hs,
+            "loss_mask": loss_mask(job.info, int(job.token_ids.shape[0])),
+            "token_ids": job.token_ids,
+        }
         slot = None
         if job.staging is not None:
             # Out of the pinned buffer (it goes back to the pool): straight into a slot of the
@@ -509,6 +537,35 @@ def _layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
     if order == list(layer_ids):
         return None
     return torch.tensor([order.index(x) for x in layer_ids], dtype=torch.long)
+
+
+def _spans_ok(spans: Any) -> bool:
+    return isinstance(spans, list | tuple) and all(
+        isinstance(p, list | tuple)
+        and len(p) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+        for p in spans
+    )
+
+
+def loss_mask(info: _SampleInfo, num_tokens: int) -> torch.Tensor:
+    """The sample's `loss_mask` [num_tokens] uint8: the prompt's spans (clipped to the prompt, so a
+    truncated prompt keeps the part of its mask that is left), 1 on every generated token (the
+    sample's tokens past the prompt, include_output_tokens). Without spans: the prompt is all ones
+    when the sample has no generated tokens, else all zeros."""
+    n = num_tokens
+    p = info.prompt_len if 0 <= info.prompt_len <= n else n
+    m = torch.zeros(n, dtype=torch.uint8)
+    if info.loss_spans is None:
+        if p == n:
+            m.fill_(1)
+    else:
+        for a, b in info.loss_spans:
+            a, b = max(a, 0), min(b, p)
+            if a < b:
+                m[a:b] = 1
+    m[p:] = 1
+    return m
 
 
 def _take_lock(path: str) -> int:

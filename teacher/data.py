@@ -9,6 +9,7 @@ assistant's). Keys come from `key_field`, or are "row-<n>".
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,34 +71,34 @@ def _parquet(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _hf_folder(path: Path, split: str) -> Iterator[tuple[int, dict]]:
-    """A folder from `datasets.Dataset(Dict).save_to_disk`: Arrow stream files listed in state.json."""
-    if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        if split not in splits:
-            raise ConfigError(f"teacher.split: {split!r} is not a split of {path} (splits: {splits})")
-        path = path / split
-    state = path / "state.json"
-    if not state.is_file():
+    """A folder from `datasets.Dataset(Dict).save_to_disk`, read with `datasets.load_from_disk`
+    (memory-mapped Arrow: rows are read in batches, memory stays flat)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            f"teacher.dataset: {path} is a folder (a Hugging Face datasets folder), but the `datasets` "
+            "package is not installed: pip install datasets (or point at a .jsonl / .parquet file)"
+        ) from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
         raise ConfigError(
             f"teacher.dataset: {path} is not a Hugging Face datasets folder (no state.json); "
             "write it with Dataset.save_to_disk, or point at a .jsonl / .parquet file"
-        )
-    try:
-        files = [d["filename"] for d in json.loads(state.read_text())["_data_files"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"teacher.dataset: cannot read {state}: {e}") from None
-    import pyarrow as pa
-
+        ) from None
+    except Exception as e:
+        raise ConfigError(f"teacher.dataset: cannot read the datasets folder {path}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(f"teacher.split: {split!r} is not a split of {path} (splits: {list(ds)})")
+        ds = ds[split]
     n = 0
-    for name in files:
-        try:
-            reader = pa.ipc.open_stream(str(path / name))
-        except Exception as e:
-            raise ConfigError(f"teacher.dataset: {path / name} is not an Arrow stream file: {e}") from None
-        for batch in reader:
-            for row in batch.to_pylist():
-                yield n, row
-                n += 1
+    for batch in ds.iter(batch_size=256):
+        cols = list(batch)
+        for i in range(len(batch[cols[0]]) if cols else 0):
+            yield n, {c: batch[c][i] for c in cols}
+            n += 1
 
 
 @dataclass
@@ -154,7 +155,12 @@ def row_problem(cfg: TeacherConfig, row: dict[str, Any], vocab_size: int | None 
         if bad:
             limit = f" < vocab_size {vocab_size}" if vocab_size is not None else ""
             return f"field {used!r} holds invalid token ids {bad[:5]} (must be integers >= 0{limit})"
-        return None
+        return _mask_problem(cfg, row, len(v))
+    if row.get(cfg.loss_mask_field) is not None:
+        return (
+            f"field {cfg.loss_mask_field!r} (teacher.loss_mask_field) goes with pre-tokenized rows "
+            f"({cfg.tokens_field!r}) only; {used!r} rows get their mask from the tokenizer"
+        )
     if used == cfg.messages_field:
         if not isinstance(v, list | tuple):
             return f"field {used!r} must be a list of {{role, content}} messages, got {type(v).__name__}"
@@ -178,6 +184,24 @@ def row_problem(cfg: TeacherConfig, row: dict[str, Any], vocab_size: int | None 
         return f"field {used!r} must be a string, got {type(v).__name__}"
     if not v.strip():
         return f"field {used!r} is empty" if not v else f"field {used!r} is whitespace only"
+    return None
+
+
+def _mask_problem(cfg: TeacherConfig, row: dict[str, Any], num_tokens: int) -> str | None:
+    """Why the pre-tokenized row's loss mask column cannot be used (None: absent/null or fine)."""
+    m = row.get(cfg.loss_mask_field)
+    if m is None:
+        return None
+    f = cfg.loss_mask_field
+    if not isinstance(m, list | tuple):
+        return f"field {f!r} must be a list of 0/1 values, got {type(m).__name__}"
+    if len(m) != num_tokens:
+        return (
+            f"field {f!r} has {len(m)} values for {num_tokens} tokens in {cfg.tokens_field!r} (must be equal)"
+        )
+    bad = [x for x in m if x not in (0, 1) or not isinstance(x, int)]
+    if bad:
+        return f"field {f!r} holds values {bad[:5]} (must be 0 or 1)"
     return None
 
 
@@ -253,6 +277,7 @@ def check_dataset(
     usable row's prompt length is checked against max_model_len - max_tokens (ConfigError). Returns (keys of the usable rows in order, bad rows)."""
     keys: list[str] = []
     bad: list[BadRow] = []
+    chat_checked = False
     for item in scan_rows(cfg, vocab_size):
         if isinstance(item, BadRow):
             bad.append(item)
@@ -260,6 +285,14 @@ def check_dataset(
                 report(item)
         else:
             keys.append(item[0])
+            if not chat_checked and _has_assistant_turn(cfg, item[1]):
+                # The loss mask of chat rows needs the template's markers or a prefix-stable
+                # template: find out on the first such row, before vLLM starts.
+                chat_checked = True
+                try:
+                    Prompter(cfg).encode_mask(item[1])
+                except ConfigError as e:
+                    raise ConfigError(f"{e} (first found at {item[2]})") from None
             if length is not None:
                 n, limit = length(item[1]), cfg.max_model_len - cfg.max_tokens
                 if n > limit:
@@ -279,12 +312,56 @@ def check_dataset(
     return keys, bad
 
 
+_GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def mask_spans(mask: list[int]) -> list[list[int]]:
+    """[start, end) spans of the 1s of a 0/1 list (how a loss mask travels to the connector)."""
+    spans: list[list[int]] = []
+    start = None
+    for i, x in enumerate(mask):
+        if x and start is None:
+            start = i
+        elif not x and start is not None:
+            spans.append([start, i])
+            start = None
+    if start is not None:
+        spans.append([start, len(mask)])
+    return spans
+
+
+def spans_mask(spans: list[list[int]], n: int) -> list[int]:
+    """The 0/1 list of length `n` with 1 on `spans` (clipped to n); inverse of `mask_spans`."""
+    m = [0] * n
+    for s, e in spans:
+        for i in range(max(s, 0), min(e, n)):
+            m[i] = 1
+    return m
+
+
 class Prompter:
-    """Turns dataset rows into prompt token ids with the model's own tokenizer."""
+    """Turns dataset rows into prompt token ids, and their loss mask, with the model's own tokenizer.
+
+    The loss mask (1 = train on this token) of a prompt:
+      * pre-tokenized rows: the `loss_mask_field` column when present, else all ones (all zeros when
+        generated tokens are kept: then the generated tokens are the ones to train on);
+      * plain text rows: all ones (all zeros when generated tokens are kept);
+      * chat rows: 1 on the assistant turns' tokens. A template with `{% generation %}` markers gives
+        them (transformers' `return_assistant_tokens_mask`); otherwise each assistant message's
+        tokens are the characters that rendering messages[:j+1] adds to rendering messages[:j] with
+        the generation prompt (its content and the turn's closing tokens), mapped to tokens by their
+        character offsets. A template that does not render a prefix of the conversation as a prefix
+        of the whole (e.g. one that drops earlier turns' reasoning) raises ConfigError: use
+        generation markers or pre-tokenized rows with a loss mask column.
+    Generated tokens (include_output_tokens) are always 1: the connector adds them.
+    """
 
     def __init__(self, cfg: TeacherConfig):
         self.cfg = cfg
         self._tok = None  # loaded on first use: pre-tokenized datasets need no tokenizer
+        # Generated tokens are kept: those are what to train on, not a text row's prompt.
+        self.generates = bool(cfg.include_output_tokens)
+        self.last_spans: list[list[int]] = []  # loss spans of the row token_ids saw last
 
     @property
     def tok(self):
@@ -295,17 +372,119 @@ class Prompter:
         return self._tok
 
     def token_ids(self, row: dict[str, Any]) -> list[int]:
+        """The prompt's token ids; its loss mask, as spans, is left in `last_spans` (what the
+        request's kv_transfer_params carry as `loss_spans`)."""
+        ids, self.last_spans = self.encode(row)
+        return ids
+
+    def encode(self, row: dict[str, Any]) -> tuple[list[int], list[list[int]]]:
+        """(prompt token ids, loss spans): the loss mask as [start, end) spans over the prompt."""
+        ids, mask = self.encode_mask(row)
+        return ids, mask_spans(mask)
+
+    def encode_mask(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """(prompt token ids, loss mask over them as a 0/1 list)."""
+        default = 0 if self.generates else 1
         ids = row.get(self.cfg.tokens_field)
         if ids is not None:
-            return [int(x) for x in ids]
+            ids = [int(x) for x in ids]
+            m = row.get(self.cfg.loss_mask_field)
+            if m is None:
+                return ids, [default] * len(ids)
+            if len(m) != len(ids):  # checked before vLLM starts (row_problem); the file changed since
+                raise ConfigError(
+                    f"teacher.dataset: row {self._key(row)}: {self.cfg.loss_mask_field!r} has {len(m)} "
+                    f"values for {len(ids)} tokens"
+                )
+            return ids, [1 if x else 0 for x in m]
         msgs = row.get(self.cfg.messages_field)
         if msgs is not None:
-            if not getattr(self.tok, "chat_template", None):
+            return self._chat(row, msgs, with_mask=True)
+        ids = list(self.tok(row[self.cfg.text_field])["input_ids"])
+        return ids, [default] * len(ids)
+
+    def _key(self, row: dict[str, Any]) -> str:
+        k = row.get(self.cfg.key_field) if self.cfg.key_field else None
+        return repr(str(k)) if k is not None else "(no key)"
+
+    def has_generation_markers(self) -> bool:
+        t = getattr(self.tok, "chat_template", None)
+        return isinstance(t, str) and _GENERATION_MARK.search(t) is not None
+
+    def _render(self, msgs, gen_prompt: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=gen_prompt)
+        except Exception as e:  # a template that raises (jinja's raise_exception, a missing field, ...)
+            raise ConfigError(
+                f"teacher.model: the chat template of {self.cfg.model!r} failed on {len(msgs)} messages: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+
+    def _chat(self, row, msgs, *, with_mask: bool = True) -> tuple[list[int], list[int]]:
+        tok = self.tok
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError(
+                f"teacher.model: {self.cfg.model!r} has no chat template, but the dataset has "
+                f"{self.cfg.messages_field!r} rows"
+            )
+        gen_prompt = bool(msgs) and msgs[-1].get("role") != "assistant"
+        if with_mask and self.has_generation_markers():
+            out = tok.apply_chat_template(
+                list(msgs),
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                add_generation_prompt=gen_prompt,
+            )
+            return list(out["input_ids"]), [1 if x else 0 for x in out["assistant_masks"]]
+        text = self._render(msgs, gen_prompt)
+        if not with_mask:
+            return list(tok(text, add_special_tokens=False)["input_ids"]), []
+        # Character span of each assistant message: what rendering it adds after the prefix that
+        # ends with the generation prompt.
+        spans: list[tuple[int, int]] = []
+        for j, m in enumerate(msgs):
+            if m.get("role") != "assistant":
+                continue
+            before = self._render(msgs[:j], True)
+            upto = self._render(msgs[: j + 1], False)
+            if not (upto.startswith(before) and text.startswith(upto)):
                 raise ConfigError(
-                    f"teacher.model: {self.cfg.model!r} has no chat template, but the dataset has "
-                    f"{self.cfg.messages_field!r} rows"
+                    f"teacher.dataset: row {self._key(row)}: the chat template of {self.cfg.model!r} is not "
+                    f"prefix-stable (rendering the first {j + 1} messages is not a prefix of the whole "
+                    "conversation), so the assistant tokens cannot be found; give the template "
+                    "{% generation %} markers, or use pre-tokenized rows with a "
+                    f"{self.cfg.loss_mask_field!r} column"
                 )
-            gen_prompt = bool(msgs) and msgs[-1].get("role") != "assistant"
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
-            return list(self.tok(text, add_special_tokens=False)["input_ids"])
-        return list(self.tok(row[self.cfg.text_field])["input_ids"])
+            spans.append((len(before), len(upto)))
+        if getattr(tok, "is_fast", False):
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+            return ids, mask
+        # A slow tokenizer has no offsets: each span's token range is found by tokenizing the
+        # prefixes, which must tokenize as prefixes of the whole.
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        mask = [0] * len(ids)
+        for s, e in spans:
+            a = tok(text[:s], add_special_tokens=False)["input_ids"]
+            b = tok(text[:e], add_special_tokens=False)["input_ids"]
+            if ids[: len(b)] != b or b[: len(a)] != a:
+                raise ConfigError(
+                    f"teacher.dataset: row {self._key(row)}: the tokenizer of {self.cfg.model!r} does not "
+                    "tokenize the conversation's prefixes as prefixes (and has no character offsets), so "
+                    "the assistant tokens cannot be found; use a fast tokenizer, {% generation %} markers, "
+                    f"or pre-tokenized rows with a {self.cfg.loss_mask_field!r} column"
+                )
+            for i in range(len(a), len(b)):
+                mask[i] = 1
+        return ids, mask
+
+
+def _has_assistant_turn(cfg: TeacherConfig, row: dict[str, Any]) -> bool:
+    if row.get(cfg.tokens_field) is not None:
+        return False
+    msgs = row.get(cfg.messages_field)
+    return isinstance(msgs, list | tuple) and any(
+        isinstance(m, dict) and m.get("role") == "assistant" for m in msgs
+    )

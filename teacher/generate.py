@@ -132,6 +132,7 @@ class Windows:
             "sample_key": key,
             "meta": {"prompt_tokens": len(ids)},
             "include_output_tokens": cfg.include_output_tokens,
+            "loss_spans": self._prompter.last_spans,  # the loss mask of the row token_ids() just read
         }
         if r.verifier is not None and r.submitted % cfg.verify_every == 0:
             kv["verify"] = True

@@ -52,20 +52,18 @@ def test_parquet_and_hf_folder(model, tmp_path):
     pq.write_table(table, tmp_path / "d.parquet")
     assert [r for _, r in iter_rows(_cfg(model, tmp_path / "d.parquet"))] == rows
 
-    # A `datasets.save_to_disk` folder (DatasetDict with a train split). The `datasets` package is
-    # not installed here, so the folder is written by hand in its layout: Arrow stream files listed
-    # in state.json.
-    split = tmp_path / "hf" / "train"
-    split.mkdir(parents=True)
-    with pa.ipc.new_stream(str(split / "data-00000-of-00001.arrow"), table.schema) as w:
-        w.write_table(table)
-    (split / "state.json").write_text(
-        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
-    )
-    (tmp_path / "hf" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    # A `datasets.save_to_disk` folder (DatasetDict with a train split), read with load_from_disk.
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "hf"))
     assert [r for _, r in iter_rows(_cfg(model, tmp_path / "hf"))] == rows
     with pytest.raises(ConfigError, match="teacher.split: 'test' is not a split"):
         list(iter_rows(_cfg(model, tmp_path / "hf", split="test")))
+    # A single Dataset folder (no splits), and a folder that is not one.
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    assert [r for _, r in iter_rows(_cfg(model, tmp_path / "one"))] == rows
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is not a Hugging Face datasets folder"):
+        list(iter_rows(_cfg(model, tmp_path / "empty")))
 
 
 def test_unreadable_files_fail(model, tmp_path):
