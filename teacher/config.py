@@ -133,10 +133,6 @@ class TeacherConfig(ConnectorTuning):
     # through to every sample's `loss_mask`; without it: all ones (all zeros when generated tokens
     # are kept). Text rows: all ones; chat rows: 1 on the assistant turns' tokens (teacher/data.py).
     loss_mask_field: str = "loss_mask"
-    # Column with a pre-tokenized row's loss mask (0/1 per token, as long as the tokens), passed
-    # through to every sample's `loss_mask`; without it: all ones (all zeros when generated tokens
-    # are kept). Text rows: all ones; chat rows: 1 on the assistant turns' tokens (teacher/data.py).
-    loss_mask_field: str = "loss_mask"
     # Column with the sample key; None: the row number ("row-<n>").
     key_field: str | None = "id"
     # HF folders with several splits (DatasetDict): which one.
@@ -195,13 +191,6 @@ class TeacherConfig(ConnectorTuning):
     verify_device: str = "cpu"
     # Extra keyword arguments for vllm.LLM (escape hatch; prefer the typed keys above).
     engine_args: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _eagle3(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("layer_ids") == "eagle3":
-            data = {**data, "layer_ids": eagle3_layer_ids(model_num_layers(str(data.get("model"))))}
-        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -297,19 +286,6 @@ def model_dtype(model_dir: str) -> str:
     cfg = model_config(model_dir)
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return _DTYPE_NAMES.get(name, "bfloat16")
-
-
-def eagle3_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's layers for an n-layer model: [2, n//2, n-3] (low, middle, high aux layers) and n
-    (the last layer, before the final norm). Needs n >= 7 for four distinct ascending ids."""
-    n = num_layers
-    ids = [2, n // 2, n - 3, n]
-    if ids != sorted(set(ids)):
-        raise ConfigError(
-            f"teacher.layer_ids: eagle3 means [2, n//2, n-3, n], which needs num_hidden_layers >= 7; "
-            f"this model has {n} (would give {ids}): list the layer ids explicitly"
-        )
-    return ids
 
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
