@@ -5,6 +5,16 @@ bool or 0/1, True on real tokens; padded positions never contribute, and an all-
 a loss of exactly 0 (with zero gradients) rather than NaN, so a rank without data can take part in
 a collective step. Every function returns a scalar: the mean over real tokens. Each one is tested
 against a naive per-token reference in tests/test_losses.py.
+
+`loss_mask` (optional, [B, T] bool or 0/1, the teacher's per-token mask: `student.loss_on: masked`)
+narrows the tokens a term is averaged over:
+  * hidden-state terms (mse, cosine, nmse): token i counts when loss_mask[i] (nmse's statistics
+    are taken over those tokens too);
+  * ce: the prediction of token i + 1 counts when loss_mask[i + 1] (its target is a trained token);
+  * kl: the distribution at position i (the prediction of token i + 1) counts when
+    loss_mask[i + 1]; at a row's last real position, whose next token is not in the sample (a
+    generated response's last state), when loss_mask[i]. See `target_mask`.
+None: every real token counts (`loss_on: all`).
 """
 
 from __future__ import annotations
@@ -22,7 +32,30 @@ def _tokens(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum().clamp(min=1)
 
 
-def mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_mask(mask: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, T] bool: real tokens that are trained (`mask` and `loss_mask`); `mask` when None."""
+    m = mask.bool()
+    return m if loss_mask is None else m & loss_mask.bool()
+
+
+def target_mask(mask: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, T] bool: positions whose next-token prediction is trained. Position i counts when tokens
+    i and i + 1 are real and loss_mask[i + 1]; a row's last real position when loss_mask[i] (its
+    next token is not in the sample). `mask` when `loss_mask` is None."""
+    m = mask.bool()
+    if loss_mask is None:
+        return m
+    lm = loss_mask.bool() & m
+    nxt_real = torch.zeros_like(m)
+    nxt_real[:, :-1] = m[:, 1:]
+    nxt = torch.zeros_like(m)
+    nxt[:, :-1] = lm[:, 1:]
+    return (m & nxt_real & nxt) | (m & ~nxt_real & lm)
+
+
+def mse(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean squared error per feature, averaged over real tokens.
 
     Args:
@@ -33,13 +66,17 @@ def mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> tor
     Returns:
         Scalar: sum over real tokens of mean_h (s - t)^2, divided by the number of real tokens.
     """
-    m = mask.to(student.dtype)
+    m = token_mask(mask, loss_mask).to(student.dtype)
     per_token = (student - teacher).pow(2).mean(dim=-1)  # [B, T]
     return (per_token * m).sum() / _tokens(m)
 
 
 def cosine(
-    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """1 - cosine similarity per token, averaged over real tokens.
 
@@ -52,12 +89,18 @@ def cosine(
     Returns:
         Scalar in [0, 2].
     """
-    m = mask.to(student.dtype)
+    m = token_mask(mask, loss_mask).to(student.dtype)
     cos = F.cosine_similarity(student, teacher, dim=-1, eps=eps)  # [B, T]
     return ((1.0 - cos) * m).sum() / _tokens(m)
 
 
-def nmse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def nmse(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-5,
+    loss_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """MSE after standardising every feature with the teacher's statistics over the batch's real tokens.
 
     Both sides are mapped x -> (x - mean_t) / sqrt(var_t + eps), with mean_t, var_t [H] the
@@ -75,6 +118,7 @@ def nmse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, eps: 
     Returns:
         Scalar: mean over real tokens of mean_h ((s - t) / sqrt(var_t + eps))^2.
     """
+    mask = token_mask(mask, loss_mask)
     m = mask.to(teacher.dtype).unsqueeze(-1)  # [B, T, 1]
     n = _tokens(m)
     with torch.no_grad():
@@ -87,7 +131,11 @@ def nmse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, eps: 
 
 
 def kl(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL(teacher || student) of the softened next-token distributions, averaged over real tokens.
 
@@ -104,11 +152,13 @@ def kl(
     t_logp = F.log_softmax(_up(teacher_logits) / temperature, dim=-1)
     s_logp = F.log_softmax(_up(student_logits) / temperature, dim=-1)
     per_token = (t_logp.exp() * (t_logp - s_logp)).sum(dim=-1)  # [B, T]
-    m = mask.to(per_token.dtype)
+    m = target_mask(mask, loss_mask).to(per_token.dtype)
     return (per_token * m).sum() / _tokens(m) * temperature**2
 
 
-def ce(logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def ce(
+    logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next-token cross-entropy: position i predicts token i + 1, where both are real tokens.
 
     Args:
@@ -121,5 +171,6 @@ def ce(logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor) -> tor
     """
     logp = F.log_softmax(_up(logits[:, :-1]), dim=-1)  # [B, T-1, V]
     nll = -logp.gather(-1, token_ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)  # [B, T-1]
-    m = (mask[:, :-1].bool() & mask[:, 1:].bool()).to(nll.dtype)
+    tm = token_mask(mask, loss_mask)  # the target (token i + 1) must be real and trained
+    m = (mask[:, :-1].bool() & tm[:, 1:]).to(nll.dtype)
     return (nll * m).sum() / _tokens(m)

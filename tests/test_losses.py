@@ -218,3 +218,71 @@ def test_kl_and_ce_gradients_finite_differences():
     expected = (torch.softmax(sl.detach() / 1.7, -1) - torch.softmax(tl / 1.7, -1)) * 1.7 / n
     expected[~mask] = 0
     torch.testing.assert_close(sl.grad, expected)
+
+
+# --- loss_mask (student.loss_on: masked) --------------------------------------------------------
+
+
+def _loss_mask(mask, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lm = (torch.rand(mask.shape, generator=g) < 0.5).to(torch.uint8)  # as the teacher sends it
+    lm[0, 2] = 1  # row 0 keeps some trained tokens whatever the draw
+    return lm
+
+
+@pytest.mark.parametrize(
+    "fn,ref",
+    [(losses.mse, ref_mse), (losses.cosine, ref_cosine), (losses.nmse, ref_nmse)],
+    ids=["mse", "cos", "nmse"],
+)
+def test_loss_mask_narrows_hidden_losses_to_trained_tokens(fn, ref):
+    s, t, mask = _inputs()
+    lm = _loss_mask(mask)
+    got = float(fn(s, t, mask, loss_mask=lm))
+    assert got == pytest.approx(ref(s, t, mask & lm.bool()), rel=1e-9)
+    assert got != pytest.approx(float(fn(s, t, mask)), rel=1e-3)  # the mask changes the loss
+    # all ones: the same as no loss mask
+    assert float(fn(s, t, mask, loss_mask=torch.ones_like(lm))) == pytest.approx(float(fn(s, t, mask)))
+    # the student's states on untrained tokens do not matter at all
+    s2 = s.clone()
+    s2[~lm.bool()] += 100.0
+    assert float(fn(s2, t, mask, loss_mask=lm)) == pytest.approx(got, rel=1e-12)
+
+
+def test_loss_mask_ce_counts_predictions_of_trained_tokens():
+    g = torch.Generator().manual_seed(3)
+    _, _, mask = _inputs()
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lm = _loss_mask(mask)
+    vals = []
+    for b in range(B):
+        for i in range(T - 1):
+            if mask[b, i] and mask[b, i + 1] and lm[b, i + 1]:
+                z = [float(x) for x in logits[b, i]]
+                vals.append(math.log(sum(math.exp(x) for x in z)) - z[int(ids[b, i + 1])])
+    assert float(losses.ce(logits, ids, mask, loss_mask=lm)) == pytest.approx(sum(vals) / len(vals), rel=1e-9)
+    assert float(losses.ce(logits, ids, mask, loss_mask=torch.ones_like(lm))) == pytest.approx(
+        float(losses.ce(logits, ids, mask))
+    )
+
+
+def test_loss_mask_kl_counts_positions_that_predict_trained_tokens():
+    g = torch.Generator().manual_seed(4)
+    _, _, mask = _inputs()
+    sl = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    tl = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    lm = _loss_mask(mask)
+    # Position i counts when token i + 1 is real and trained; a row's last real position when
+    # its own token is trained.
+    want = torch.zeros_like(mask)
+    for b in range(B):
+        n = int(mask[b].sum())
+        for i in range(n):
+            want[b, i] = bool(lm[b, i + 1]) if i + 1 < n else bool(lm[b, i])
+    assert torch.equal(losses.target_mask(mask, lm), want)
+    got = float(losses.kl(sl, tl, mask, 2.0, loss_mask=lm))
+    assert got == pytest.approx(ref_kl(sl, tl, want, 2.0), rel=1e-9)
+    assert got != pytest.approx(float(losses.kl(sl, tl, mask, 2.0)), rel=1e-3)
+    # Nothing trained: exactly 0, no NaN.
+    assert float(losses.kl(sl, tl, mask, 1.0, loss_mask=torch.zeros_like(lm))) == 0.0
