@@ -1,20 +1,25 @@
 """A synthetic teacher for student tests and smoke runs: real hidden states without vLLM.
 
 Runs a transformers model's forward pass over a JSONL text dataset and sends, per row, the layers
-named by their teacher layer ids (same convention as vLLM extraction: id L is the last decoder
-layer's output before the final norm), in vLLM's sample layout (`hidden_states` [T, n, H],
-`token_ids` [T]). Either publishes through distill.transport.Publisher (the run file's transport
-section) or writes a spool folder.
+named by their teacher layer ids (same convention as vLLM extraction, teacher/reference.py), in
+vLLM's sample layout (`hidden_states` [T, n, H], `token_ids` [T]). Either publishes through
+distill.transport.Publisher (the run file's transport section) or writes a spool folder.
 
-    python -m student.synthetic_teacher --model runs/tiny-teacher --data runs/tiny.jsonl \\
+    python -m teacher.synthetic --model runs/tiny-teacher --data runs/tiny.jsonl \\
         --layers 2,4 --config configs/student_tiny.yaml            # stream to students
-    python -m student.synthetic_teacher ... --spool runs/spool      # offline: write a spool folder
+    python -m teacher.synthetic ... --spool runs/spool              # offline: write a spool folder
+
+Like `distill-teacher`, it writes a summary JSON (`--summary`, default `<journal>.summary.json`
+when a journal is given): exit code, samples submitted and resubmitted, seconds, the Publisher's
+stats. Scripts and tests read that file, not the log lines. Exit 0 when every row is committed
+(or written to the spool), 1 on `--timeout`, 2 on a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -31,25 +36,21 @@ class SyntheticTeacher:
     def __init__(self, model_dir: str, data: str, layers: list[int], limit: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from teacher.reference import ReferenceStates
+
         self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.num_layers = self.model.config.num_hidden_layers
-        bad = [i for i in layers if not 0 <= i <= self.num_layers]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.ref = ReferenceStates(model)
+        bad = [i for i in layers if not 0 <= i <= self.ref.num_layers]
         if bad:
-            raise ValueError(f"layer ids {bad} outside 0..{self.num_layers}")
+            raise ValueError(f"layer ids {bad} outside 0..{self.ref.num_layers}")
         self.layers = list(layers)
-        self._prenorm = {}
-        self.model.model.norm.register_forward_pre_hook(lambda m, a: self._prenorm.__setitem__("h", a[0]))
         rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
         self.rows = {r["id"]: r["text"] for r in rows[:limit]}  # in data set order
 
     def sample(self, key: str) -> Sample:
         ids = self.tok(self.rows[key], return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            out = self.model(input_ids=ids, output_hidden_states=True)
-        hs = list(out.hidden_states)
-        hs[self.num_layers] = self._prenorm["h"]  # id L = before the final norm
-        stacked = torch.stack([hs[i][0] for i in self.layers], dim=1).contiguous()  # [T, n, H]
+        stacked = self.ref.states(ids, self.layers).contiguous()  # [T, n, H]
         return Sample(
             key=key,
             tensors={"hidden_states": stacked, "token_ids": ids[0].to(torch.int64).contiguous()},
@@ -68,8 +69,8 @@ def teacher_samples(
             yield t.sample(key)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m teacher.synthetic", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="teacher checkpoint folder")
     ap.add_argument("--data", required=True, help="JSONL rows with 'id' and 'text'")
     ap.add_argument("--layers", required=True, help="teacher layer ids to send, e.g. 2,4")
@@ -85,20 +86,30 @@ def main(argv: list[str] | None = None) -> None:
         "--journal",
         help="journal of committed keys (distill.journal): appended to; its committed keys are not sent again",
     )
+    ap.add_argument(
+        "--summary", help="summary JSON to write (default: <journal>.summary.json with --journal)"
+    )
     args = ap.parse_args(argv)
-    layers = [int(x) for x in args.layers.split(",")]
+    if not args.spool and not args.config:
+        ap.error("--config (a run file with a transport section) or --spool is required")
+    return args
 
-    if args.spool:
-        from distill.spool import write_sample
 
-        n = 0
-        for s in teacher_samples(args.model, args.data, layers, args.limit):
-            s.teacher = "synthetic"
-            write_sample(args.spool, s)
-            n += 1
-        print(f"synthetic teacher: wrote {n} samples to {args.spool}", flush=True)
-        return
+def write_spool(args, layers: list[int], summary: dict) -> int:
+    from distill.spool import write_sample
 
+    for s in teacher_samples(args.model, args.data, layers, args.limit):
+        s.teacher = "synthetic"
+        write_sample(args.spool, s)
+        summary["samples"] += 1
+    print(f"synthetic teacher: wrote {summary['samples']} samples to {args.spool}", flush=True)
+    summary.update(spool_dir=args.spool, reason="done")
+    return 0
+
+
+def publish(args, layers: list[int], summary: dict) -> int:
+    """Submit every row not committed yet, then resubmit lost keys until every row is committed
+    (END sent) or `--timeout`."""
     from distill.config import load_run_file, parse_override
     from distill.journal import Journal
     from distill.transport import Publisher
@@ -108,41 +119,80 @@ def main(argv: list[str] | None = None) -> None:
     teacher = SyntheticTeacher(args.model, args.data, layers, args.limit)
     pub = Publisher(run.transport, run.spool, journal=args.journal)
     pub.start()
+    summary["teacher_id"] = pub.tid
     print(
         f"synthetic teacher: publishing on {run.transport.bind}; {len(done)} keys committed in the journal",
         flush=True,
     )
     deadline = time.monotonic() + args.timeout
-    n = resubmitted = 0
-    for key in teacher.rows:
-        if key in done:
-            continue
-        pub.submit(teacher.sample(key))
-        n += 1
-        if args.rate > 0:
-            time.sleep(1.0 / args.rate)
-    pub.close_input()
-    # Run until every row is committed. Keys a student session acknowledged but never committed
-    # (it died before a checkpoint covered them) come back from take_lost(): compute and send again.
-    ok = False
+    try:
+        for key in teacher.rows:
+            if key not in done:
+                pub.submit(teacher.sample(key))
+                summary["samples"] += 1
+                if args.rate > 0:
+                    time.sleep(1.0 / args.rate)
+        summary["generate_s"] = round(time.monotonic() - summary.pop("_t0"), 3)
+        pub.close_input()
+        ok = _resubmit_lost_until_done(pub, teacher, deadline, summary)
+    finally:
+        summary["stats"] = pub.stats()
+        pub.close()
+    summary["reason"] = "done" if ok else f"not every row committed within --timeout {args.timeout:.0f}s"
+    print(
+        f"synthetic teacher: submitted {summary['samples']}, resubmitted {summary['resubmitted']}, done={ok}",
+        flush=True,
+    )
+    return 0 if ok else 1
+
+
+def _resubmit_lost_until_done(pub, teacher: SyntheticTeacher, deadline: float, summary: dict) -> bool:
+    """Keys a student session acknowledged but never committed (it died before a checkpoint covered
+    them) come back from take_lost(): compute and send them again. True once END is sent."""
     while time.monotonic() < deadline:
         lost = pub.take_lost()
         for key in lost:
             pub.submit(teacher.sample(key))
         if lost:
-            resubmitted += len(lost)
+            summary["resubmitted"] += len(lost)
             print(f"synthetic teacher: {len(lost)} keys lost by a student session; sent again", flush=True)
         if pub.wait_done(timeout=min(0.5, max(0.0, deadline - time.monotonic()))):
-            ok = True
-            break
-    stats = pub.stats()
-    pub.close()
-    print(
-        f"synthetic teacher: submitted {n}, resubmitted {resubmitted}, done={ok}, stats={json.dumps(stats)}",
-        flush=True,
-    )
-    sys.exit(0 if ok else 1)
+            return True
+    return False
+
+
+def summary_path(args) -> Path | None:
+    if args.summary:
+        return Path(args.summary)
+    return Path(f"{args.journal}.summary.json") if args.journal else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    layers = [int(x) for x in args.layers.split(",")]
+    t0 = time.monotonic()
+    summary = {
+        "teacher": "synthetic",
+        "exit_code": None,
+        "reason": "",
+        "samples": 0,
+        "resubmitted": 0,
+        "journal": args.journal,
+        "command": shlex.join(
+            ["python", "-m", "teacher.synthetic", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "_t0": t0,
+    }
+    rc = write_spool(args, layers, summary) if args.spool else publish(args, layers, summary)
+    summary.pop("_t0", None)
+    summary.update(exit_code=rc, wall_s=round(time.monotonic() - t0, 3))
+    path = summary_path(args)
+    if path is not None:
+        from teacher.state import write_json
+
+        write_json(path, summary)
+    return rc
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from distill.spool import list_spool, read_spool_file, remove_spool_file
+from teacher.reference import ReferenceStates
 
 log = logging.getLogger("distill.teacher.verify")
 
@@ -63,8 +64,7 @@ class Verifier:
         self.include_output_tokens = include_output_tokens
         self._expected: dict[str, list[int]] = {}  # key -> prompt ids submitted, awaiting its copy
         self._lock = threading.Lock()
-        self._model = None
-        self._last_states: dict[str, torch.Tensor] = {}
+        self._ref = None  # teacher.reference.ReferenceStates, loaded at the first check
         self.probed = 0
         self.mismatches = 0
         self.mismatched: list[dict] = []  # first 20
@@ -114,32 +114,20 @@ class Verifier:
         self.check_pending()
 
     # -- checking ----------------------------------------------------------------------------
-    def _load(self):
-        if self._model is None:
+    def _load(self) -> ReferenceStates:
+        if self._ref is None:
             from transformers import AutoModelForCausalLM
 
             t = time.monotonic()
             m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[self.dtype])
-            m = m.to(self.device).eval()
-            layers = _decoder_layers(m)
-            layers[-1].register_forward_hook(self._hook)
-            self._model = m
-            self._num_layers = len(layers)
+            self._ref = ReferenceStates(m.to(self.device).eval())
             log.info("verify: reference model loaded on %s in %.1fs", self.device, time.monotonic() - t)
-        return self._model
-
-    def _hook(self, _mod, _inp, out):
-        self._last_states["h"] = out[0] if isinstance(out, tuple) else out
+        return self._ref
 
     def reference(self, ids: list[int], layers: list[int]) -> torch.Tensor:
         """[T, len(layers), H] transformers' states of `layers` (L = before the final norm)."""
-        m = self._load()
-        with torch.no_grad():
-            out = m(torch.tensor([ids], device=self.device), output_hidden_states=True)
-        cols = [
-            self._last_states["h"][0] if k == self._num_layers else out.hidden_states[k][0] for k in layers
-        ]
-        return torch.stack(cols, dim=1).float().cpu()
+        ref = self._load()
+        return ref.states(torch.tensor([ids], device=self.device), layers).float().cpu()
 
     def _check_file(self, path: Path) -> None:
         s = read_spool_file(path)
@@ -200,18 +188,6 @@ class Verifier:
             "errors": self.errors,
             "unchecked": unchecked,  # marked, but no copy arrived (engine died, run stopped)
         }
-
-
-def _decoder_layers(model):
-    for path in ("model.layers", "model.language_model.layers", "transformer.h"):
-        obj = model
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            return obj
-        except AttributeError:
-            continue
-    return model.get_decoder().layers
 
 
 def _remove(p: Path) -> None:

