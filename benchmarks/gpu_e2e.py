@@ -983,7 +983,7 @@ def child_profile_student(args) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     cfg, run = st.load_student_config(args.config, [])
     t0 = time.perf_counter()
-    keep = st.training_function(cfg, run, args)  # noqa: F841 (held until os._exit, as student.train.main)
+    keep = st.training_function(cfg, run)  # noqa: F841 (held until os._exit, as student.train.main)
     t_end = time.perf_counter()
     tables = {}
     if prof is not None:

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from distill.checkpoints import LATEST, LEDGER, latest, read_ledger
 from distill.journal import Journal, JournalBusy
 
 
@@ -40,33 +41,26 @@ class ReconcileError(Exception):
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A `step_*` folder from a checkpoints folder (its `latest`), `latest` itself or a step folder."""
     p = Path(path)
-    if p.is_dir() and (p / "latest").is_file():
-        p = p / (p / "latest").read_text().strip()
-    elif p.is_file() and p.name == "latest":
-        p = p.parent / p.read_text().strip()
+    if p.is_dir() and latest(p) is not None:
+        p = latest(p)
+    elif p.is_file() and p.name == LATEST:
+        p = latest(p.parent)
     if not p.is_dir():
         raise ReconcileError(
             f"checkpoint {str(path)!r} is not a folder (nor a checkpoints folder with 'latest')"
         )
-    if not any(p.glob("custom_checkpoint_*.pkl")):
-        raise ReconcileError(
-            f"{str(p)!r} is not a student checkpoint: no custom_checkpoint_*.pkl (Accelerate's save_state)"
-        )
+    if not (p / LEDGER).is_file():
+        raise ReconcileError(f"{str(p)!r} is not a student checkpoint: it has no {LEDGER}")
     return p
 
 
 def checkpoint_ledger(ckpt: Path) -> tuple[int, set[str]]:
     """(optimizer step, trained keys) of the ledger saved in a student checkpoint."""
-    import torch
-
-    for f in sorted(ckpt.glob("custom_checkpoint_*.pkl")):
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=True)  # plain data, no code
-        except Exception:
-            continue
-        if isinstance(state, dict) and {"step", "trained", "history"} <= state.keys():
-            return int(state["step"]), {str(e[0]) for e in state["trained"]}
-    raise ReconcileError(f"no ledger (step, trained, history) among {str(ckpt)!r}/custom_checkpoint_*.pkl")
+    try:
+        state = read_ledger(ckpt)
+        return int(state["step"]), {str(e[0]) for e in state["trained"]}
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ReconcileError(f"unreadable ledger {str(ckpt / LEDGER)!r}: {e}") from None
 
 
 def reconcile(journal: str | os.PathLike, checkpoint: str | os.PathLike, *, dry_run: bool = False) -> dict:

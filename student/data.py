@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +40,6 @@ class Batch:
             real tokens of every row one after the other (N = sum(lengths)); `to` pads it on the
             target device, so padding never costs host memory traffic or copy bandwidth.
         layer_ids: teacher layer ids of `teacher`'s layer dimension.
-        samples: the Samples in the batch (to ack after the optimizer step; their tensors are not used).
         lengths: real tokens per row when `teacher` is packed; None when it is padded.
     """
 
@@ -48,13 +47,8 @@ class Batch:
     mask: torch.Tensor
     teacher: torch.Tensor
     layer_ids: list[int]
-    samples: list[Sample] = field(default_factory=list)
     lengths: list[int] | None = None
     pad_to: int = 1  # T is a multiple of this (collate's pad_to_multiple_of; select keeps it)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths) if self.lengths is not None else int(self.mask.sum())
 
     @property
     def padded(self) -> bool:
@@ -90,7 +84,7 @@ class Batch:
                 teacher = torch.zeros((b * t, *rest), dtype=packed.dtype, device=device)
                 teacher.index_copy_(0, pos.to(device, non_blocking=non_blocking), packed)
                 teacher = teacher.view(b, t, *rest)
-        return Batch(ids, mask, teacher, self.layer_ids, self.samples)
+        return Batch(ids, mask, teacher, self.layer_ids)
 
 
 def _positions(lengths: list[int], t: int) -> torch.Tensor:
@@ -185,9 +179,7 @@ def collate(
         off += n
     if pin_memory:
         input_ids, mask = input_ids.pin_memory(), mask.pin_memory()
-    return Batch(
-        input_ids, mask, teacher, list(layer_ids), list(samples), lengths, max(pad_to_multiple_of, 1)
-    )
+    return Batch(input_ids, mask, teacher, list(layer_ids), lengths, max(pad_to_multiple_of, 1))
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:
@@ -202,7 +194,6 @@ def select(batch: Batch, keep: list[int]) -> Batch:
             mask[:, :t].contiguous(),
             batch.teacher.index_select(0, idx)[:, :t].contiguous(),
             batch.layer_ids,
-            [batch.samples[i] for i in keep],
         )
     lengths = [batch.lengths[i] for i in keep]
     longest = max(lengths) if keep else 0
@@ -223,7 +214,7 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     mask = mask[:, :t].contiguous()
     if pinned:
         ids, mask = ids.pin_memory(), mask.pin_memory()
-    return Batch(ids, mask, teacher, batch.layer_ids, [batch.samples[i] for i in keep], lengths, batch.pad_to)
+    return Batch(ids, mask, teacher, batch.layer_ids, lengths, batch.pad_to)
 
 
 def key_hash(key: str) -> int:

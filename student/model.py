@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -188,7 +188,7 @@ class DistillModel(nn.Module):
         return out.logits, mapped
 
     def save_projections(self, folder: Path) -> None:
-        """Write the projections (if any) beside the saved student; `load_projections` reads them."""
+        """Write the projections (if any) beside the saved student (distill_projections.safetensors)."""
         meta = {
             "pairs": [list(p) for p in self.pairs],
             "projections": sorted(self.projections),
@@ -200,9 +200,3 @@ class DistillModel(nn.Module):
                 {k: v.detach().cpu().contiguous() for k, v in self.projections.state_dict().items()},
                 str(folder / PROJECTIONS_FILE),
             )
-
-
-def load_projections(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The projection weights saved by `DistillModel.save_projections` (empty when none)."""
-    p = Path(folder) / PROJECTIONS_FILE
-    return load_file(str(p)) if p.is_file() else {}

@@ -1,4 +1,5 @@
-"""Multi-node helpers: the gloo interface, lost peer ranks, checkpoints on per-node storage.
+"""Multi-node helpers: the gloo interface and lost peer ranks (checkpoints on per-node storage:
+student/checkpoint.py).
 
 - `pick_gloo_ifname()`: before the process group starts, when GLOO_SOCKET_IFNAME is unset and
   MASTER_ADDR is not a loopback address, the interface that holds the local address of the route to
@@ -8,11 +9,6 @@
   reset, or nothing within student.collective_timeout_s).
 - `PeerTable`: who is where (rank -> host, address), gathered once at start, so the one line a
   surviving rank prints names the lost host.
-- Checkpoint storage: `probe_storage` finds whether the nodes share checkpoint_dir (a probe file
-  per node, seen by all or only by its own); without shared storage every node saves the whole
-  checkpoint (Accelerate's save_on_each_node) and keeps its own `latest`. `local_checkpoints` lists
-  the complete checkpoint folders this rank can load; ranks resume from the newest step that every
-  rank has, or refuse with one line.
 """
 
 from __future__ import annotations
@@ -22,9 +18,6 @@ import os
 import re
 import socket
 import subprocess
-from pathlib import Path
-
-COMPLETE = ".complete"  # marker written into a checkpoint folder once every rank saved it
 
 
 def _route_source(addr: str) -> str | None:
@@ -168,61 +161,3 @@ class PeerTable:
             by.setdefault(f"host {h} ({a})", []).append(r)
         hosts = " or ".join(f"rank {','.join(map(str, rs))} on {hp}" for hp, rs in by.items())
         return f"{hosts} (no answer in time)"
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints
-# ----------------------------------------------------------------------------------------------
-
-
-def needed_files(path: Path, rank: int) -> list[str]:
-    """Files rank `rank` loads from an Accelerate checkpoint folder that are missing there."""
-    missing = []
-    if not ((path / "model.safetensors").is_file() or (path / "pytorch_model.bin").is_file()):
-        missing.append("model.safetensors")
-    for name in (
-        "optimizer.bin",
-        "custom_checkpoint_0.pkl",
-        "custom_checkpoint_1.pkl",
-        f"random_states_{rank}.pkl",
-    ):
-        if not (path / name).is_file():
-            missing.append(name)
-    return missing
-
-
-def local_checkpoints(ckpt_dir: Path, rank: int) -> dict[int, str]:
-    """{step: folder name} of complete checkpoints this rank can load from its own storage: a
-    folder marked complete (or the one `latest` names) holding every file the rank needs."""
-    out: dict[int, str] = {}
-    if not ckpt_dir.is_dir():
-        return out
-    latest = ckpt_dir / "latest"
-    named = latest.read_text().strip() if latest.is_file() else None
-    for p in ckpt_dir.glob("step_*"):
-        m = re.fullmatch(r"step_(\d+)", p.name)
-        if not m or not p.is_dir():
-            continue
-        if ((p / COMPLETE).is_file() or p.name == named) and not needed_files(p, rank):
-            out[int(m.group(1))] = p.name
-    return out
-
-
-def choose_resume(per_rank: list[dict[int, str]], where: list[str]) -> tuple[int | None, str | None]:
-    """(step, None) to resume from (None: fresh start, no rank has a checkpoint), or (None, why)
-    when some ranks have checkpoints but no step is complete on every rank."""
-    if not any(per_rank):
-        return None, None
-    common = set.intersection(*(set(c) for c in per_rank))
-    if common:
-        return max(common), None
-    detail = "; ".join(
-        f"rank {r} on {w}: {', '.join(f'step_{s:07d}' for s in sorted(c)[-3:]) or 'none'}"
-        for r, (c, w) in enumerate(zip(per_rank, where, strict=True))
-    )
-    return None, (
-        "cannot resume: no checkpoint is complete on every rank (" + detail + "). Each node must "
-        "see the checkpoints its ranks saved: use the same student.checkpoint_dir on every node (a "
-        "shared filesystem, or each node's own disk as written by this version), or start afresh "
-        "without student.resume_from"
-    )

@@ -1,8 +1,8 @@
 """distill-reconcile: after a student crash, keys acknowledged after the last checkpoint go back to
 the teacher (removed from its journal), so they are trained once instead of never.
 
-The checkpoint is a real Accelerate `save_state` folder holding the student's real Ledger, saved
-the way student/train.py saves it (scheduler registered first, then the ledger)."""
+The checkpoint is a real one, written by the student's own `save_checkpoint` (Accelerate's
+`save_state` and the ledger in ledger.json, `latest` pointing at it)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _checkpoint(root: Path, trained: list[str], step: int) -> Path:
     from accelerate import Accelerator
 
+    from student.checkpoint import save_checkpoint
     from student.ledger import Ledger
 
     acc = Accelerator(cpu=True)
@@ -31,13 +32,11 @@ def _checkpoint(root: Path, trained: list[str], step: int) -> Path:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ledger = Ledger()
     ledger.record(trained, rank=0, step=step)
-    ledger.merge(list(ledger.local))
     ledger.step = step
     model, opt = acc.prepare(model, opt)
-    acc.register_for_checkpointing(sched, ledger)
+    acc.register_for_checkpointing(sched)
     ckpts = root / "checkpoints"
-    acc.save_state(str(ckpts / f"step_{step:07d}"))
-    (ckpts / "latest").write_text(f"step_{step:07d}")
+    save_checkpoint(acc, ledger, ckpts, step, keep=2)
     return ckpts
 
 

@@ -297,10 +297,11 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_
     ckpt = tmp_path / "out" / "checkpoints" / latest.read_text()
     assert not (tmp_path / "out" / "metrics.json").exists()
 
+    from distill.checkpoints import read_ledger
     from student.ledger import Ledger
 
     led = Ledger()
-    led.load_state_dict(torch.load(ckpt / "custom_checkpoint_1.pkl", weights_only=False))
+    led.load_state_dict(read_ledger(ckpt))
     assert led.step == killed_at and len(led.trained) > 0
 
     if not teacher_survives:
@@ -354,6 +355,7 @@ def test_students_killed_teacher_keeps_running_every_key_once(assets, tmp_path):
     lost and the synthetic teacher computes and sends them again. The students resume from the
     checkpoint: the final metrics.json holds every key exactly once (the checkpoint's ledger, then the
     resumed run), and the teacher exits 0 only once every key is committed."""
+    from distill.checkpoints import read_ledger
     from distill.journal import Journal
     from student.ledger import Ledger
 
@@ -377,7 +379,7 @@ def test_students_killed_teacher_keeps_running_every_key_once(assets, tmp_path):
         stop(students)  # SIGKILL the launcher, torchrun and both ranks; the teacher runs on
         ckpt = ckpts / latest.read_text()
         led = Ledger()
-        led.load_state_dict(torch.load(ckpt / "custom_checkpoint_1.pkl", weights_only=False))
+        led.load_state_dict(read_ledger(ckpt))
         committed = Journal.read(journal).committed
         assert committed <= led.keys(), "the journal holds a key that no checkpoint covers"
         assert len(committed) < N_SAMPLES, "the run finished before the kill"
@@ -520,6 +522,7 @@ def test_crash_restart_trains_every_sample_once(assets, tmp_path):
     holds only committed keys, i.e. keys a checkpoint covers (COMMIT follows a saved checkpoint), so
     what was acknowledged after the checkpoint is not in it: the restarted teacher sends it again and
     the resumed students train it. The lineage trains every sample exactly once; no reconcile step."""
+    from distill.checkpoints import read_ledger
     from distill.journal import Journal
     from student.ledger import Ledger
 
@@ -544,7 +547,7 @@ def test_crash_restart_trains_every_sample_once(assets, tmp_path):
         stop(teacher)
     ckpt = ckpts / latest.read_text()
     led = Ledger()
-    led.load_state_dict(torch.load(ckpt / "custom_checkpoint_1.pkl", weights_only=False))
+    led.load_state_dict(read_ledger(ckpt))
     committed = Journal.read(journal).committed
     assert len(committed) < N_SAMPLES, "the run finished before the kill"
     assert committed <= led.keys(), "the journal holds a key that the checkpoint does not cover"

@@ -80,7 +80,7 @@ def test_collate_pads_masks_selects_layers_and_copies():
     host = collate([s1, s2], [2, 4])
     # On the host: packed real tokens in the teacher's dtype (no fp32 upcast, no padding rows).
     assert host.teacher.shape == (8, 2, 8) and host.teacher.dtype == torch.bfloat16
-    assert host.lengths == [5, 3] and host.num_tokens == 8 and host.padded
+    assert host.lengths == [5, 3] and int(host.mask.sum()) == 8 and host.padded
     batch = host.to("cpu")  # padded where it goes (the GPU, in training)
     assert batch.input_ids.shape == (2, 5) and batch.teacher.shape == (2, 5, 2, 8)
     assert batch.mask.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
@@ -125,7 +125,7 @@ def test_device_scatter_positions_pad_like_the_row_copy():
 def test_compute_loss_is_the_same_for_bf16_and_fp32_teacher_batches():
     """The loss upcasts the teacher states itself: a bf16 batch gives the fp32 batch's loss."""
     from student.model import DistillModel, load_student
-    from student.train import compute_loss
+    from student.recipe import compute_loss
 
     cfg = load_student_config_dict({**TINY_STUDENT, "losses": {"mse": 1.0, "cosine": 1.0, "nmse": 1.0}})
     model = DistillModel(load_student(cfg), [(1, 2)], 8, "auto")
@@ -276,12 +276,11 @@ def test_select_rows_equals_collate_of_the_subset():
             for name in ("input_ids", "mask", "teacher"):
                 torch.testing.assert_close(getattr(got, name), getattr(want, name))
                 torch.testing.assert_close(getattr(got.to("cpu"), name), getattr(want.to("cpu"), name))
-            assert [s.key for s in got.samples] == [s.key for s in want.samples]
 
 
 def test_find_unused_parameters_only_when_some_parameter_gets_no_gradient():
     from student.model import DistillModel, load_student
-    from student.train import unused_parameters
+    from student.recipe import unused_parameters
 
     def case(losses, projection="auto"):
         cfg = load_student_config_dict({**TINY_STUDENT, "losses": losses, "projection": projection})
@@ -390,7 +389,11 @@ def test_teacher_head_matches_teacher_logits(tmp_path):
     assert not any(p.requires_grad for p in head.parameters())
 
 
-# --- clear errors from a real student process -------------------------------------------------------
+# --- clear errors -------------------------------------------------------------------------------------
+# Errors that need no process group are checked in-process through student.train.run (everything
+# main() does except os._exit: the same config, model, source and loop, the same one line and exit
+# code); a real `student.py` process shows the exit code itself (teacher gone: 3), and 2-rank
+# `accelerate launch` runs show how a failure on one rank stops the other.
 
 TINY_STUDENT = {
     "from_config": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -407,12 +410,17 @@ def load_student_config_dict(student: dict):
     return StudentConfig.model_validate(student)
 
 
-def run_student(tmp_path, student: dict, transport: dict | None = None, nproc: int = 1, timeout=120):
+def write_run(tmp_path, student: dict, transport: dict | None = None) -> Path:
     cfg = {"student": {"output_dir": str(tmp_path / "out"), **student}}
     if transport:
         cfg["transport"] = transport
     p = tmp_path / "run.yaml"
     p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def run_student(tmp_path, student: dict, transport: dict | None = None, nproc: int = 1, timeout=120):
+    p = write_run(tmp_path, student, transport)
     if nproc == 1:
         cmd = [PY, "student.py", "--config", str(p)]
     else:
@@ -420,6 +428,15 @@ def run_student(tmp_path, student: dict, transport: dict | None = None, nproc: i
         cmd += ["student.py", "--config", str(p)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_in_process(tmp_path, capsys, student: dict, transport: dict | None = None):
+    """student.train.run on a run file: (exit code, stderr) as `run_student` gives them."""
+    from student.train import run
+
+    p = write_run(tmp_path, student, transport)
+    code = run(["--config", str(p)])
+    return subprocess.CompletedProcess(["student.train.run"], code, "", capsys.readouterr().err)
 
 
 def _assert_clear(proc, message):
@@ -430,15 +447,26 @@ def _assert_clear(proc, message):
     assert line, proc.stderr[-3000:]
 
 
-def test_empty_spool_folder_is_a_clear_error(tmp_path):
+def test_config_error_is_one_line_exit_2(tmp_path, capsys):
+    proc = run_in_process(tmp_path, capsys, {**TINY_STUDENT, "lr": -1})
+    assert proc.returncode == 2
+    _assert_clear(proc, "student.lr")
+    assert "Traceback" not in proc.stderr
+
+
+def test_empty_spool_folder_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    proc = run_student(tmp_path, {**TINY_STUDENT, "mode": "spool", "spool_dir": str(tmp_path / "empty")})
+    student = {**TINY_STUDENT, "mode": "spool", "spool_dir": str(tmp_path / "empty")}
+    proc = run_in_process(tmp_path, capsys, student)
+    assert proc.returncode == 2
     _assert_clear(proc, "has no *.safetensors files")
     assert "Traceback" not in proc.stderr
 
 
-def test_hidden_size_mismatch_without_projection_is_a_clear_error(tmp_path):
-    proc = run_student(tmp_path, {**TINY_STUDENT, "projection": "never", "mode": "spool", "spool_dir": "x"})
+def test_hidden_size_mismatch_without_projection_is_a_clear_error(tmp_path, capsys):
+    student = {**TINY_STUDENT, "projection": "never", "mode": "spool", "spool_dir": "x"}
+    proc = run_in_process(tmp_path, capsys, student)
+    assert proc.returncode == 2
     _assert_clear(proc, "student hidden size 32 != teacher hidden size 8")
     assert "Traceback" not in proc.stderr
 
@@ -459,7 +487,7 @@ def test_missing_teacher_layer_stops_both_ranks_clearly(tmp_path):
     assert "another rank stopped with an error" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_teacher_protocol_version_mismatch_is_a_clear_error(tmp_path):
+def test_teacher_protocol_version_mismatch_is_a_clear_error(tmp_path, capsys):
     """A fake teacher on a real socket answers HELLO with a message of protocol version 99."""
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
@@ -478,11 +506,13 @@ def test_teacher_protocol_version_mismatch_is_a_clear_error(tmp_path):
     th.start()
     try:
         ep = f"tcp://127.0.0.1:{port}"
-        proc = run_student(tmp_path, {**TINY_STUDENT, "idle_flush_s": 0.2}, {"connect": [ep], "bind": [ep]})
+        transport = {"connect": [ep], "bind": [ep]}
+        proc = run_in_process(tmp_path, capsys, {**TINY_STUDENT, "idle_flush_s": 0.2}, transport)
     finally:
         stop.set()
         th.join()
         router.close(linger=0)
+    assert proc.returncode == 2
     _assert_clear(proc, "protocol version")
     assert "Traceback" not in proc.stderr
 
@@ -526,7 +556,7 @@ def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_re
     from transformers import AutoModelForCausalLM
 
     from student.model import DistillModel, load_student
-    from student.train import compute_loss
+    from student.recipe import compute_loss
 
     spool = tmp_path / "spool"
     samples = {f"k{i}": sample(f"k{i}", 6, layers=(2, 4), seed=i) for i in range(5)}
@@ -657,7 +687,8 @@ def test_student_from_a_checkpoint_folder(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Multi-node helpers (student/multinode.py): gloo interface, lost peers, checkpoints per node
+# Multi-node helpers (student/multinode.py, student/checkpoint.py): gloo interface, lost peers,
+# checkpoints per node
 # ---------------------------------------------------------------------------------------------
 
 
@@ -711,7 +742,7 @@ def test_peer_failure_is_recognised_and_names_the_lost_host():
 def _fake_ckpt(d: Path, step: int, ranks, complete=True, latest=False):
     p = d / f"step_{step:07d}"
     p.mkdir(parents=True)
-    for name in ("model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"):
+    for name in ("model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "ledger.json"):
         (p / name).write_bytes(b"x")
     for r in ranks:
         (p / f"random_states_{r}.pkl").write_bytes(b"x")
@@ -723,7 +754,7 @@ def _fake_ckpt(d: Path, step: int, ranks, complete=True, latest=False):
 
 
 def test_resume_picks_the_newest_step_complete_on_every_rank(tmp_path):
-    from student.multinode import choose_resume, local_checkpoints
+    from student.checkpoint import choose_resume, local_checkpoints
 
     n0, n1 = tmp_path / "node0", tmp_path / "node1"  # checkpoint folders on two nodes' own disks
     _fake_ckpt(n0, 4, [0])
@@ -739,7 +770,7 @@ def test_resume_picks_the_newest_step_complete_on_every_rank(tmp_path):
 def test_resume_refuses_a_partial_checkpoint_with_one_line(tmp_path):
     """The old layout on a second node: only random_states_1.pkl (the main process wrote the rest
     on node 0): rank 1 cannot load it, so the run refuses instead of starting rank 1 at step 0."""
-    from student.multinode import choose_resume, local_checkpoints
+    from student.checkpoint import choose_resume, local_checkpoints
 
     n0, n1 = tmp_path / "node0", tmp_path / "node1"
     _fake_ckpt(n0, 8, [0, 1], latest=True)

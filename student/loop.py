@@ -1,0 +1,470 @@
+"""The training loop: one iteration = one collective micro-step, the same collectives on every rank.
+
+Every rank receives its own disjoint share of samples (its own Subscriber; or files r, r+W, ... of a
+spool folder), so ranks hold different numbers of samples at different times. `Trainer.run` agrees
+on every step collectively; each iteration:
+
+1. `fill`: every rank fills a micro-batch from its own source (possibly empty); stale shared-memory
+   samples are discarded, not acked.
+2. `agree_flags` (collective 1): one small all-gather says who proposes samples, who is finished,
+   idle or failed, who has uncommitted acks, a backlog, or heard END. Any rank heard END: every rank
+   stops. A rank failed: every rank stops (teacher gone: exit 3; another error: exit 2).
+3. `agree_keys` (collective 2, when anyone has samples): every rank's key hashes and token counts,
+   from which every rank computes the same decision (`agree`): a key any rank trained before, or
+   that a lower rank proposes now, is dropped.
+4. `forward_backward`: each rank's loss weighted by its share of the step's tokens (DDP's mean over
+   ranks is then the token-weighted mean); a rank without data runs a zero-weight step on a
+   one-token padding batch so DDP's gradient all-reduce still matches up.
+5. `optimizer_step`: after grad_accum_steps micro-batches, or earlier when no rank had data or all
+   are done. Only then are the step's samples acknowledged to the teacher; the metrics are
+   all-reduced; a checkpoint every checkpoint_every steps commits what it covers.
+6. `settle`: acks for dropped duplicates once nothing is accumulated; the drain checkpoint (every
+   rank idle with the teacher draining and acks no checkpoint covers: the teacher sends END only
+   once everything is committed).
+
+After the loop, `wind_down` checkpoints once more (the teacher may record everything acked as done)
+or, when the teacher is gone, saves what was trained and raises TeacherLeft; `finish` gives unacked
+samples back, gathers the ledger and saves the student.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import gather_object
+
+from distill.protocol import Sample
+from student.checkpoint import flatten, save_checkpoint
+from student.config import StudentConfig
+from student.data import (
+    Batch,
+    StudentError,
+    TeacherGoneError,
+    TokenBudgetBatcher,
+    agree,
+    check_sample,
+    collate,
+    empty_batch,
+    idle_wait_s,
+    key_hash,
+    next_micro_batch,
+    select,
+)
+from student.ledger import Ledger
+from student.metrics import StepMetrics, write_metrics
+from student.recipe import Built, compute_loss, save_model
+
+logger = get_logger(__name__)
+
+
+class TeacherLeft(Exception):
+    """No teacher was heard for transport.teacher_wait_s on some rank: every rank stops (exit 3)."""
+
+    def __init__(self, why: str, trained: int):
+        super().__init__(why)
+        self.why, self.trained = why, trained  # trained: samples in this lineage's ledger
+
+
+class Col(enum.IntEnum):
+    """The columns of the flags every rank gathers each iteration (collective 1)."""
+
+    SAMPLES = 0  # samples proposed
+    DONE = 1  # source exhausted, nothing in the batcher
+    ERROR = 2  # 0, or Fault
+    IDLE = 3  # the teacher is draining and this rank holds nothing
+    UNCOMMITTED = 4  # acks that no checkpoint covers yet
+    BACKLOG = 5  # the micro-batch was full (or no more could come)
+    ENDED = 6  # heard END: every key of the run is committed
+
+
+class Fault(enum.IntEnum):
+    STUDENT = 1  # StudentError: stop with its line (exit 2)
+    TEACHER_GONE = 2  # TeacherGoneError: stop, exit 3
+
+
+@dataclass
+class Micro:
+    """This rank's part of one micro-step."""
+
+    samples: list[Sample] = field(default_factory=list)
+    batch: Batch | None = None  # the collated samples (host)
+    error: str = ""
+    fault: int = 0
+    tokens: int = 0  # this rank's tokens after the key agreement
+    global_tokens: int = 0  # every rank's
+    global_samples: int = 0
+
+    def keep(self, rows: list[int]) -> None:
+        self.samples = [self.samples[i] for i in rows]
+        self.batch = select(self.batch, rows) if rows else None
+
+    def drop(self) -> None:
+        self.samples, self.batch = [], None
+
+
+@dataclass
+class Flags:
+    """What every rank knows after collective 1."""
+
+    proposed: list[int]  # samples each rank proposes
+    all_done: bool  # every rank's source is exhausted
+    drain: bool  # every rank idle with the teacher draining, and some acks are uncommitted
+    idle_here: bool  # this rank is idle with the teacher draining (computed before the step)
+
+
+@dataclass
+class Progress:
+    """What the one line of a stopped run says, filled in as the run goes (read by train.run)."""
+
+    world: int = 1
+    rank: int = 0
+    peers: object = None  # multinode.PeerTable
+    trained: int = 0  # samples covered by this job's completed optimizer steps
+    ckpt: str | None = None  # the newest checkpoint this job saved or resumed from
+    ckpt_samples: int = 0
+
+
+class Trainer:
+    """The loop's state: what is accumulated, held, acked and trained, and the steps that change it."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        cfg: StudentConfig,
+        built: Built,
+        model,
+        optimizer,
+        scheduler,
+        ledger: Ledger,
+        source,
+        *,
+        credit: int | None,
+        ctl_group,
+        ckpt_dir: Path,
+        per_node: bool,
+        progress: Progress,
+        bar,
+    ):
+        self.accelerator, self.cfg, self.built, self.model = accelerator, cfg, built, model
+        self.optimizer, self.scheduler, self.ledger, self.source = optimizer, scheduler, ledger, source
+        self.credit, self.ctl_group, self.ckpt_dir, self.per_node = credit, ctl_group, ckpt_dir, per_node
+        self.progress, self.bar = progress, bar
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.device = accelerator.device
+        on_gpu = self.device.type != "cpu"
+        # Host batches: page-locked on a GPU (asynchronous copies). PyTorch's cuDNN attention builds a
+        # plan for every new batch shape (~12 ms forward + ~19 ms backward of CPU per layer on an
+        # H200): off by default, SDPA then takes the flash / memory-efficient kernels, which need none.
+        # With it on, lengths are rounded up to 64 by default (fewer distinct shapes).
+        self.pin = on_gpu
+        self.pad_to = cfg.pad_to_multiple_of or (64 if on_gpu and cfg.cudnn_attention else 1)
+        self.batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
+        self.metrics = StepMetrics(accelerator, cfg, ledger, bar)
+
+        self.step = self.last_ckpt = ledger.step
+        # Every rank keeps the same sets of 64-bit key hashes: `trained_h` (covered by a completed
+        # optimizer step, any rank, including the checkpoint's ledger) and `claimed_h` (accepted in
+        # the current gradient accumulation). A key in either is never trained again, by any rank.
+        self.trained_h = {key_hash(k) for k in ledger.keys()}
+        self.claimed_h: set[int] = set()
+        self.pending: list[Sample] = []  # samples whose gradients are accumulated; acked after the step
+        self.dup_wait: list[Sample] = []  # dropped duplicates: acked after the next step, never trained
+        self.micro = 0  # micro-batches accumulated since the last optimizer step
+        self.synced = True  # was the last backward outside no_sync (gradients all-reduced)?
+        self.step_tokens = self.step_samples = 0  # counted on the host
+        self.wait_mark = source.wait_s
+        self.anyone_backlogged = False  # last iteration: decides whether a rank may wait for samples
+        self.gone: str | None = None  # why the teacher is gone (some rank heard nothing)
+        self.counts = {"stale": 0, "duplicates": 0}
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Train until every rank is done, max_steps, or a failure; every rank takes the same path."""
+        cfg = self.cfg
+        stop = cfg.max_steps is not None and self.step >= cfg.max_steps
+        while not stop:
+            mb = self.fill()  # 1. this rank's micro-batch (possibly empty)
+            flags = self.agree_flags(mb)  # 2. collective: proposals, done, failed, idle, END
+            if self.gone is not None:
+                break
+            self.agree_keys(mb, flags)  # 3. collective when anyone proposes: who trains which key
+            if mb.global_tokens:
+                self.forward_backward(mb)  # 4. DDP all-reduces at the accumulation boundary
+            if self.micro and (self.micro >= cfg.grad_accum_steps or not mb.global_tokens or flags.all_done):
+                self.optimizer_step()  # 5. then acks, metrics, a checkpoint every N steps
+                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                    break
+            self.settle(flags)  # 6. acks of dropped duplicates; drain checkpoint or commit
+            if flags.all_done:
+                break
+        self.wind_down()
+
+    # --- 1. fill -------------------------------------------------------------------------------------
+
+    def fill(self) -> Micro:
+        """This rank's micro-batch. It waits (up to idle_flush_s) unless some rank had a backlog last
+        time; then it goes with what has arrived. A failure is reported, not raised: every rank
+        must learn of it in collective 1."""
+        b = self.built
+        try:
+            held = len(self.pending) + len(self.dup_wait)  # unacked samples outside the batch
+            wait = idle_wait_s(self.cfg.idle_flush_s, self.anyone_backlogged)
+            mb = Micro(next_micro_batch(self.source, self.batcher, wait, held, self.credit))
+            for s in mb.samples:
+                check_sample(s, b.layer_ids, b.teacher_hidden)
+            if mb.samples:
+                mb.batch = collate(
+                    mb.samples, b.layer_ids, pin_memory=self.pin, pad_to_multiple_of=self.pad_to
+                )
+                self.drop_stale(mb)
+        except TeacherGoneError as e:
+            mb = Micro(error=str(e), fault=Fault.TEACHER_GONE)
+        except StudentError as e:
+            mb = Micro(error=str(e), fault=Fault.STUDENT)
+        return mb
+
+    def drop_stale(self, mb: Micro) -> None:
+        """Copy first (collate), then ask whether the memory was still the sample's: a shared-memory
+        slot is reused once the teacher declared this student gone. Stale samples are discarded,
+        not acked; the teacher sends them again."""
+        ok = [self.source.valid(s) for s in mb.samples]
+        if not all(ok):
+            self.source.discard([s for s, v in zip(mb.samples, ok, strict=True) if not v])
+            self.counts["stale"] += ok.count(False)
+            mb.keep([i for i, v in enumerate(ok) if v])
+
+    # --- 2. agree on the flags (collective 1) --------------------------------------------------------
+
+    def agree_flags(self, mb: Micro) -> Flags | None:
+        src = self.source
+        done_here = src.exhausted and not self.batcher.pending
+        idle_here = src.draining and not self.batcher.pending and not mb.samples and self.micro == 0
+        uncommitted = self.cfg.checkpoint_every > 0 and src.uncommitted > 0
+        ended = int(src.run_ended)
+        mine = [len(mb.samples), done_here, int(mb.fault), idle_here, uncommitted, self.batcher.filled, ended]
+        info = self.gather_ctl(torch.tensor(mine, dtype=torch.int64))
+        if int(info[:, Col.ENDED].max()) > 0:
+            # Some rank heard END: every teacher has every key committed, so the run is complete. A
+            # rank that missed it (its host was away when END was sent) holds only copies of
+            # committed keys: it drops them and stops with the others instead of waiting for a
+            # teacher that has left.
+            if mb.samples:
+                src.discard(mb.samples)
+                self.counts["stale"] += len(mb.samples)
+            mb.drop()
+            mb.fault = 0
+            info[:, Col.SAMPLES] = 0
+            info[:, Col.DONE] = 1
+            info[:, Col.ERROR] = 0
+        worst = int(info[:, Col.ERROR].max())
+        if worst == Fault.TEACHER_GONE:
+            self.gone = mb.error or "another rank heard nothing from the teacher"
+            return None
+        if worst == Fault.STUDENT:
+            raise StudentError(mb.error or "another rank stopped with an error (see its message above)")
+        self.anyone_backlogged = int(info[:, Col.BACKLOG].sum()) > 0
+        return Flags(
+            proposed=info[:, Col.SAMPLES].tolist(),
+            all_done=int(info[:, Col.DONE].sum()) == self.world,
+            drain=int(info[:, Col.IDLE].sum()) == self.world and int(info[:, Col.UNCOMMITTED].sum()) > 0,
+            idle_here=idle_here,
+        )
+
+    # --- 3. agree on the keys (collective 2) ---------------------------------------------------------
+
+    def agree_keys(self, mb: Micro, flags: Flags) -> None:
+        """Every rank's key hashes and token counts; every rank computes the same decision."""
+        world, n_max = self.world, max(flags.proposed)
+        tokens_per_rank = [0] * world
+        samples_per_rank = [0] * world
+        if n_max:
+            vec = torch.zeros(2 * n_max, dtype=torch.int64)
+            vec[: len(mb.samples)] = torch.tensor([key_hash(s.key) for s in mb.samples], dtype=torch.int64)
+            vec[n_max : n_max + len(mb.samples)] = torch.tensor([s.num_tokens for s in mb.samples])
+            allv = self.gather_ctl(vec)
+            proposals = [allv[r, : flags.proposed[r]].tolist() for r in range(world)]
+            keep_all = agree(proposals, (self.trained_h, self.claimed_h))
+            for r in range(world):
+                kept = [i for i, k in enumerate(keep_all[r]) if k]
+                tokens_per_rank[r] = int(allv[r, n_max:][kept].sum()) if kept else 0
+                samples_per_rank[r] = len(kept)
+                self.claimed_h.update(proposals[r][i] for i in kept)
+            mine = keep_all[self.rank]
+            if not all(mine):
+                self.dup_wait.extend(s for s, k in zip(mb.samples, mine, strict=True) if not k)
+                self.counts["duplicates"] += mine.count(False)
+                mb.keep([i for i, k in enumerate(mine) if k])
+        mb.tokens, mb.global_tokens = tokens_per_rank[self.rank], sum(tokens_per_rank)
+        mb.global_samples = sum(samples_per_rank)
+
+    # --- 4. forward / backward -----------------------------------------------------------------------
+
+    def forward_backward(self, mb: Micro) -> None:
+        """Weighted by this rank's share of the step's tokens; a rank without data weighs 0."""
+        b = self.built
+        batch = mb.batch if mb.batch is not None else empty_batch(b.layer_ids, b.teacher_hidden)
+        boundary = self.micro + 1 >= self.cfg.grad_accum_steps
+        weight = mb.tokens * self.world / mb.global_tokens
+        loss, terms = self.backward(batch.to(self.device), weight, sync=boundary)
+        self.synced = boundary
+        self.micro += 1
+        self.pending.extend(mb.samples)
+        if mb.tokens:  # device-side sums: no host synchronisation here
+            self.metrics.add(loss, terms, mb.tokens)
+        self.step_tokens += mb.global_tokens
+        self.step_samples += mb.global_samples
+
+    def backward(self, batch: Batch, weight: float, sync: bool):
+        # DDP all-reduces gradients on a backward outside no_sync; inside, they accumulate locally.
+        acc = self.accelerator
+        with contextlib.nullcontext() if sync else acc.no_sync(self.model):
+            with acc.autocast():
+                loss, terms = compute_loss(
+                    self.model, self.built.head, batch, self.cfg, self.built.teacher_last
+                )
+            acc.backward(loss * weight)
+        return loss.detach(), terms
+
+    # --- 5. the optimizer step -----------------------------------------------------------------------
+
+    def optimizer_step(self) -> None:
+        """Step (early when no rank had data: holding samples unacked would starve the teacher's
+        credit), then acknowledge the step's samples, queue its metrics, checkpoint every N."""
+        cfg, b = self.cfg, self.built
+        if not self.synced:  # the last backward was local: a zero-weight synced one all-reduces the sum
+            self.backward(empty_batch(b.layer_ids, b.teacher_hidden).to(self.device), 0.0, sync=True)
+        if self.micro > 1:  # mean over micro-batches
+            torch._foreach_div_([p.grad for p in self.model.parameters() if p.grad is not None], self.micro)
+        if cfg.max_grad_norm > 0:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.acknowledge()
+        # Metrics: global token-weighted means (one all-reduce per step, read a step later).
+        wait = self.source.wait_s - self.wait_mark
+        self.wait_mark = self.source.wait_s
+        rec = {"step": self.step, "samples": self.step_samples, "tokens": self.step_tokens}
+        rec.update(lr=self.scheduler.get_last_lr()[0], time=time.time())
+        self.metrics.end_step(rec, wait)
+        self.ledger.step = self.step
+        self.step_tokens = self.step_samples = 0
+        self.bar.update(1)
+        self.metrics.publish()
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            self.checkpoint()
+
+    def acknowledge(self) -> None:
+        """Only now may the teacher forget the step's samples (and the duplicates this rank
+        dropped): the step that used them is done."""
+        self.source.ack(self.pending + self.dup_wait)
+        self.ledger.record([s.key for s in self.pending], self.rank, self.step)
+        self.trained_h |= self.claimed_h
+        self.claimed_h.clear()
+        self.progress.trained = len(self.trained_h)
+        self.pending, self.dup_wait, self.micro, self.synced = [], [], 0, True
+
+    def checkpoint(self) -> None:
+        """Collective: save, then tell the teacher that everything acked so far is covered.
+
+        Without a step since the last checkpoint (or the resumed one), that checkpoint already
+        covers every key acked since (only keys of completed steps are acked): commit only, and
+        never write into the folder `latest` points at."""
+        self.metrics.publish(everything=True)  # the ledger's history is saved with the checkpoint
+        if self.step > self.last_ckpt:
+            path = self.save()
+            self.last_ckpt = self.step
+            self.progress.ckpt, self.progress.ckpt_samples = str(path), len(self.ledger.trained)
+        self.source.commit()  # every rank passed save_checkpoint's final barrier: the save is complete
+
+    def save(self) -> Path:
+        cfg = self.cfg
+        return save_checkpoint(
+            self.accelerator, self.ledger, self.ckpt_dir, self.step, cfg.checkpoint_keep, self.per_node
+        )
+
+    # --- 6. settle -----------------------------------------------------------------------------------
+
+    def settle(self, flags: Flags) -> None:
+        cfg = self.cfg
+        if self.micro == 0 and self.dup_wait:
+            # Nothing is accumulated: every key in trained_h is covered by a completed step.
+            self.source.ack(self.dup_wait)
+            self.dup_wait = []
+        if cfg.checkpoint_every and flags.drain and not flags.all_done:
+            logger.info("teacher draining: checkpoint at step %d to commit what was acknowledged", self.step)
+            self.checkpoint()
+        elif cfg.checkpoint_every and flags.idle_here and self.step == self.last_ckpt:
+            # No step since the last checkpoint: it covers everything acked here, including
+            # redelivered copies of trained keys the Subscriber acked by itself (not counted in
+            # `uncommitted`). Local and cheap: nothing is sent when there is nothing to commit.
+            self.source.commit()
+
+    # --- the end -------------------------------------------------------------------------------------
+
+    def wind_down(self) -> None:
+        """Stopping for good (max_steps, end of stream): a checkpoint covers every trained step, so
+        the teacher can record everything acked as done (a resumed run would skip nothing else).
+        Teacher gone: save what was trained (nobody to commit to) and raise TeacherLeft."""
+        cfg = self.cfg
+        self.metrics.publish(everything=True)  # every step's record in the ledger before it is saved
+        if cfg.checkpoint_every and self.gone is None:
+            self.checkpoint()
+        if self.gone is not None:
+            if cfg.checkpoint_every and self.step > self.last_ckpt:  # saved, not committed
+                self.save()
+            raise TeacherLeft(self.gone, len(self.trained_h))
+
+    def finish(self) -> None:
+        """Unacked samples go back to the teacher; the ledger is gathered; the student is saved."""
+        acc, counts = self.accelerator, self.counts
+        if counts["stale"] or counts["duplicates"]:
+            logger.info(
+                "rank %d dropped %d stale and %d duplicate samples (not trained)",
+                self.rank,
+                counts["stale"],
+                counts["duplicates"],
+            )
+        self.source.close()
+        self.ledger.merge(flatten(gather_object([self.ledger.local])))
+        stats = {
+            **self.source.stats(),
+            "dropped_stale": counts["stale"],
+            "dropped_duplicates": counts["duplicates"],
+        }
+        source_stats = gather_object([stats])  # one dict per rank
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            out_dir = Path(self.cfg.output_dir)
+            save_model(acc, self.model, self.cfg, out_dir / "model")
+            write_metrics(out_dir / "metrics.json", self.ledger, self.world, source_stats)
+            logger.info(
+                "saved the student to %s (%d steps, %d samples)",
+                out_dir / "model",
+                self.step,
+                len(self.ledger.trained),
+            )
+        # Leave together: a rank that destroys the process group while the main one is still saving
+        # can leave the main one hanging at exit (seen with gloo).
+        acc.wait_for_everyone()
+        acc.end_training()
+
+    def gather_ctl(self, t: torch.Tensor) -> torch.Tensor:
+        """All-gather a small int64 CPU tensor (same length on every rank) -> [world, len]."""
+        if self.world == 1:
+            return t.view(1, -1)
+        if self.ctl_group is None:
+            return self.accelerator.gather(t.to(self.device)).cpu().view(self.world, -1)
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t, group=self.ctl_group)
+        return torch.stack(out)
