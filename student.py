@@ -1,6 +1,6 @@
 """Distillation student: `accelerate launch student.py --config configs/student_tiny.yaml`.
 
-The loop lives in student/train.py; this file is only the entry point.
+The run lives in student/train.py (the loop in student/loop.py); this file is only the entry point.
 """
 
 from student.train import main

