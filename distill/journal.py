@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -164,3 +165,20 @@ class JournalTail:
             if lost is not None:
                 new_l.add(lost)
         return new_c, new_l
+
+
+def stored_run_id(journal: Path | None) -> str | None:
+    """The run id kept beside a journal (`<journal>.run`), made at the first start; None without a
+    journal (no run identity: a restart could not keep it anyway)."""
+    if journal is None:
+        return None
+    p = journal.with_name(journal.name + ".run")
+    if p.exists():
+        rid = p.read_text().strip()
+        if rid:
+            return rid
+    rid = f"run-{secrets.token_hex(6)}"
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(rid + "\n")
+    os.replace(tmp, p)
+    return rid

@@ -24,12 +24,18 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import mmap
 import os
 import secrets
 import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from distill.protocol import _view
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,24 @@ ALIGN = 4096  # slots start on page boundaries (also keeps every dtype aligned)
 HEADER = ALIGN  # first page: the nonce
 STAMP_BYTES = 64  # each slot's first 64 bytes: its stamp word (8 bytes used)
 _STAMP = struct.Struct("<Q")
+
+
+@dataclass
+class RingSlot:
+    """Tensors that live in one slot of the publisher's shared-memory ring (Publisher.ring_slot).
+
+    Slot layout: the stamp word (STAMP_BYTES), then each tensor's bytes in `tensors` order, each
+    starting on a 64-byte boundary (`offsets`: absolute offsets in the ring)."""
+
+    tensors: dict[str, torch.Tensor]
+    offset: int  # slot start in the ring (its stamp word)
+    offsets: list[int]  # per-tensor start, in `tensors` order
+    stamp: int = 0
+
+
+def _pad(n: int) -> int:
+    """Tensors of one ring slot start on 64-byte boundaries."""
+    return (n + 63) // 64 * 64
 
 
 def ring_name(tid: str) -> str:
@@ -115,6 +139,23 @@ class ShmRing:
                     self._used[off] = need
                     return off
         return None
+
+    def slot(self, specs: dict[str, tuple[list[int], torch.dtype]], stamp: int) -> RingSlot | None:
+        """A slot for tensors of these (shape, dtype), stamped `stamp`, as writable tensor views; None
+        when the ring has no room."""
+        sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs.values()]
+        off = self.alloc(STAMP_BYTES + sum(_pad(n) for n in sizes))
+        if off is None:
+            return None
+        self.set_stamp(off, stamp)  # before any byte of the sample
+        tensors, offsets, cur = {}, [], off + STAMP_BYTES
+        for (name, (shape, dt)), n in zip(specs.items(), sizes, strict=True):
+            tensors[name] = (
+                _view(self.view[cur : cur + n], dt, list(shape)) if n else torch.empty(shape, dtype=dt)
+            )
+            offsets.append(cur)
+            cur += _pad(n)
+        return RingSlot(tensors, off, offsets, stamp)
 
     def set_stamp(self, off: int, stamp: int) -> None:
         """Write a slot's stamp word (before its bytes on alloc; zero on free)."""

@@ -1,0 +1,78 @@
+"""The teacher's listening socket (`router_socket`: ROUTER options, the size bound on what students
+may send, heartbeats, binding) and CURVE on it (`curve_server`): only students whose public keys
+are authorised get anything, and every frame is encrypted (tests/test_security.py, tests/test_security_netns.py). Keys: distill-keygen
+(distill/keygen.py); settings: `transport.curve` (distill/config.py)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import zmq
+
+from distill.config import TransportConfig
+from distill.iothread import TransportError
+
+
+def curve_server(ctx: zmq.Context, sock: zmq.Socket, curve):
+    """Make `sock` a CURVE server that accepts only the students whose public keys are in
+    `curve.authorized_keys`. Returns the running authenticator (stop it on close).
+
+    Raises:
+        ValueError, OSError: missing or unreadable keys (one line for the user).
+    """
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    if not curve.authorized_keys or not Path(curve.authorized_keys).is_dir():
+        raise ValueError(
+            f"authorized_keys must be a folder of student public keys, got {curve.authorized_keys!r}"
+        )
+    public, secret = zmq.auth.load_certificate(curve.secret_key)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key!r} holds no secret key (use the .key_secret file)")
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("distill.transport.auth"))
+    auth.start()
+    auth.configure_curve(domain="*", location=str(curve.authorized_keys))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    return auth
+
+
+def router_socket(cfg: TransportConfig) -> tuple[zmq.Socket, object]:
+    """The teacher's ROUTER socket, bound to every endpoint (CURVE server when configured).
+    Returns (socket, CURVE authenticator or None). Raises TransportError."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    auth = None
+    if cfg.curve is not None:
+        try:
+            auth = curve_server(ctx, sock, cfg.curve)
+        except (OSError, ValueError) as e:
+            sock.close(0)
+            raise TransportError(f"transport.curve: {e}") from None
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what we queue; never drop
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    # Students send control records only: nothing larger than a header is accepted.
+    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_header_bytes + 64 * 1024)
+    # ZeroMQ heartbeats close connections silent for heartbeat_timeout_s (a link that was down),
+    # so a student's reconnect is not stuck behind a dead TCP connection.
+    hb_ms = max(1, int(cfg.heartbeat_interval_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(hb_ms, int(cfg.heartbeat_timeout_s * 1000)))
+    if cfg.socket_buffer_bytes:
+        sock.setsockopt(zmq.SNDBUF, cfg.socket_buffer_bytes)
+        sock.setsockopt(zmq.RCVBUF, cfg.socket_buffer_bytes)
+    for ep in cfg.bind:
+        try:
+            sock.bind(ep)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            if auth is not None:
+                auth.stop()
+            raise TransportError(f"cannot bind teacher endpoint {ep!r}: {e}") from None
+    return sock, auth
