@@ -1,5 +1,6 @@
 """Transport: teacher `Publisher` (ROUTER, binds; distill/publisher.py) and student `Subscriber`
-(DEALER, connects; distill/subscriber.py). This module is the import surface and the conversation.
+(DEALER, connects; distill/subscriber.py). This module is the import surface and the conversation;
+the publisher's parts: sessions.py, students.py, spooler.py, security.py (distill/API.md).
 
 No sample is dropped silently: a teacher sends a sample only against credit that a student granted
 (bounded in samples and bytes), keeps it until the student acknowledges it, and redelivers it to
