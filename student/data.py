@@ -262,7 +262,6 @@ def empty_batch(layer_ids: list[int], hidden_size: int) -> Batch:
         torch.zeros(1, 1, dtype=torch.bool),
         torch.zeros(1, 1, max(len(layer_ids), 1), hidden_size),
         list(layer_ids),
-        [],
     )
 
 

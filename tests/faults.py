@@ -160,6 +160,17 @@ class Proc:
         return codes[0] if codes else rc
 
 
+def alive_or_fail(*procs: Proc):
+    """A `wait_until` check: fails with the log tail of the first of `procs` that has ended."""
+
+    def check():
+        for p in procs:
+            if not p.alive():
+                raise AssertionError(f"{p.name} ended early (exit {p.poll()}); log tail:\n{p.tail()}")
+
+    return check
+
+
 def freeze(procs: list[psutil.Process]) -> None:
     """SIGSTOP each process (children first is not needed: a stopped process stays stopped)."""
     signal_all(procs, signal.SIGSTOP)

@@ -124,15 +124,6 @@ def report(row: str, metrics: Path, expected: set[str], t0: float, procs: Procs,
     return t
 
 
-def alive_or_fail(*ps):
-    def check():
-        for p in ps:
-            if not p.alive():
-                raise AssertionError(f"{p.name} ended early (exit {p.poll()}); log tail:\n{p.tail()}")
-
-    return check
-
-
 def committed(journal: Path) -> set[str]:
     return faults.journal_state(journal)[0]
 
@@ -290,7 +281,10 @@ def _lost_node_row(procs, hosts, tmp_path, tiny_teacher, *, lost: str, how: str,
     node_sets = {h: f"student.output_dir={tmp_path / ('out-' + h)}" for h in nodes}
     jobs = [start_node(procs, hosts, h, r, run, mport, node_sets[h]) for r, h in enumerate(nodes)]
     wait_until(
-        lambda: len(committed(journal)) >= 24, 300, "24 keys committed", check=alive_or_fail(teacher, *jobs)
+        lambda: len(committed(journal)) >= 24,
+        300,
+        "24 keys committed",
+        check=faults.alive_or_fail(teacher, *jobs),
     )
     assert "not shared between nodes" in jobs[0].text(), jobs[0].tail()
     gone = nodes.index(lost)

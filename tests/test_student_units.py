@@ -107,6 +107,16 @@ def test_collate_rounds_the_length_and_keeps_every_layer_order():
     assert not full.padded and full.to("cpu").teacher.shape == (2, 5, 2, 8)
 
 
+def test_empty_batch_is_one_padding_token_carrying_every_layer():
+    """What a rank without data trains on (weight 0) so that DDP's all-reduce still matches up."""
+    from student.data import empty_batch
+
+    for layer_ids in ([2], [2, 4]):
+        b = empty_batch(layer_ids, 8).to("cpu")
+        assert b.teacher.shape == (1, 1, len(layer_ids), 8) and b.input_ids.shape == (1, 1)
+        assert not b.mask.any() and b.layer_ids == layer_ids
+
+
 def test_device_scatter_positions_pad_like_the_row_copy():
     """Batch.to pads a packed batch on a GPU with one index_copy_ at `_positions`: the same result
     as the row-by-row copy used on a CPU."""
