@@ -181,35 +181,36 @@ def plot(metrics: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=400)
     ap.add_argument("--distinct-texts", type=int, default=32, help="distinct texts behind the rows")
     ap.add_argument("--out", default="runs/main")
     ap.add_argument("--timeout", type=float, default=900)
-    args = ap.parse_args()
-    out = (ROOT / args.out).resolve()
-    if out.exists():
-        for name in (
-            "journal.txt",
-            "journal.txt.run",
-            "journal.txt.summary.json",
-            "spool",
-            "student",
-            "run.yaml",
-        ):
-            # a fresh run each time
-            p = out / name
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
+    return ap.parse_args()
+
+
+def fresh_out(out: Path) -> None:
+    """A fresh run each time: the previous run's journal, spool, student folder and run file go."""
+    for name in (
+        "journal.txt",
+        "journal.txt.run",
+        "journal.txt.summary.json",
+        "spool",
+        "student",
+        "run.yaml",
+    ):
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    print(f"[main] building tiny teacher + dataset of {args.samples} rows in {out}", flush=True)
-    teacher, data = write_assets(out, args.samples, args.distinct_texts)
-    port = free_port()
-    cfg = run_file(out, teacher, data, port, args.samples)
+
+
+def run_both(procs: Procs, out: Path, cfg: Path, args, t0: float) -> bool:
+    """Start the students and distill-teacher; wait for both (a progress line every 15 s from the
+    journal). False on --timeout."""
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -217,70 +218,37 @@ def main() -> int:
         "PYTHONPATH": str(ROOT),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    student_env = {**env, "OMP_NUM_THREADS": "1"}
-    procs = Procs()
+    launch = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    students = procs.start(
+        "students",
+        [*launch, "student.py", "--config", str(cfg)],
+        out / "students.log",
+        {**env, "OMP_NUM_THREADS": "1"},
+    )
+    teacher = procs.start(
+        "teacher", [str(BIN / "distill-teacher"), "--config", str(cfg)], out / "teacher.log", env
+    )
+    print(f"[main] teacher pid {teacher.pid}, students pid {students.pid}; logs in {out}/*.log", flush=True)
+    deadline = time.monotonic() + args.timeout
+    last = 0.0
+    while time.monotonic() < deadline and (teacher.poll() is None or students.poll() is None):
+        time.sleep(1)
+        if time.monotonic() - last > 15:
+            last = time.monotonic()
+            done = len(Journal.read(out / "journal.txt").committed)
+            print(
+                f"[main] {last - t0:5.0f}s  samples committed by students: {done}/{args.samples}", flush=True
+            )
+    if teacher.poll() is None or students.poll() is None:
+        print(f"[main] timed out after {args.timeout:.0f}s", flush=True)
+        return False
+    return True
 
-    def on_signal(sig, _frame):
-        print(f"\n[main] signal {sig}: stopping every process", flush=True)
-        procs.stop_all(grace=5)
-        sys.exit(130)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        students = procs.start(
-            "students",
-            [
-                str(BIN / "accelerate"),
-                "launch",
-                "--multi_gpu",
-                "--num_processes",
-                "2",
-                "--num_machines",
-                "1",
-                "--mixed_precision",
-                "no",
-                "--dynamo_backend",
-                "no",
-                "--main_process_port",
-                str(free_port()),
-                "student.py",
-                "--config",
-                str(cfg),
-            ],
-            out / "students.log",
-            student_env,
-        )
-        teacher_p = procs.start(
-            "teacher", [str(BIN / "distill-teacher"), "--config", str(cfg)], out / "teacher.log", env
-        )
-        print(
-            f"[main] teacher pid {teacher_p.pid}, students pid {students.pid}; logs in {out}/*.log",
-            flush=True,
-        )
-        deadline = time.monotonic() + args.timeout
-        last = 0.0
-        while time.monotonic() < deadline and (teacher_p.poll() is None or students.poll() is None):
-            time.sleep(1)
-            if time.monotonic() - last > 15:
-                last = time.monotonic()
-                done = len(Journal.read(out / "journal.txt").committed)
-                print(
-                    f"[main] {time.monotonic() - t0:5.0f}s  samples committed by students: {done}/{args.samples}",
-                    flush=True,
-                )
-        if teacher_p.poll() is None or students.poll() is None:
-            print(f"[main] timed out after {args.timeout:.0f}s", flush=True)
-            return 1
-    finally:
-        procs.stop_all()
-    wall = time.monotonic() - t0
-    rc_t, rc_s = procs.procs["teacher"].returncode, procs.procs["students"].returncode
-    if rc_t != 0 or rc_s != 0:
-        print(
-            f"[main] failed: teacher exit {rc_t}, students exit {rc_s}; see {out}/teacher.log and students.log"
-        )
-        return 1
+def report(out: Path, cfg: Path, args, wall: float) -> int:
+    """The summary table (from the student's metrics.json and the teacher's summary JSON) and the
+    loss plot; 0 when every sample was trained once and the loss fell."""
     metrics = json.loads((out / "student" / "metrics.json").read_text())
     ts = teacher_summary(out / "journal.txt")
     s = metrics["summary"]
@@ -322,6 +290,37 @@ def main() -> int:
     if not ok:
         print("[main] WARNING: not every sample was trained, or the loss did not fall")
     return 0 if ok else 1
+
+
+def main() -> int:
+    args = parse_args()
+    out = (ROOT / args.out).resolve()
+    fresh_out(out)
+    t0 = time.monotonic()
+    print(f"[main] building tiny teacher + dataset of {args.samples} rows in {out}", flush=True)
+    teacher, data = write_assets(out, args.samples, args.distinct_texts)
+    cfg = run_file(out, teacher, data, free_port(), args.samples)
+    procs = Procs()
+
+    def on_signal(sig, _frame):
+        print(f"\n[main] signal {sig}: stopping every process", flush=True)
+        procs.stop_all(grace=5)
+        sys.exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if not run_both(procs, out, cfg, args, t0):
+            return 1
+    finally:
+        procs.stop_all()
+    rc_t, rc_s = procs.procs["teacher"].returncode, procs.procs["students"].returncode
+    if rc_t != 0 or rc_s != 0:
+        print(
+            f"[main] failed: teacher exit {rc_t}, students exit {rc_s}; see {out}/teacher.log and students.log"
+        )
+        return 1
+    return report(out, cfg, args, time.monotonic() - t0)
 
 
 if __name__ == "__main__":

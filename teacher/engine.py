@@ -77,7 +77,6 @@ class EngineWatchdog:
 
     def __init__(self, llm):
         self._stop = threading.Event()
-        self.fired = False
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         self._res = getattr(core, "resources", None)
         self._queue = getattr(core, "outputs_queue", None)
@@ -95,7 +94,6 @@ class EngineWatchdog:
                     err: Exception = EngineDeadError()
                 except Exception:  # another vLLM layout
                     err = RuntimeError("vLLM engine core died")
-                self.fired = True
                 self._queue.put_nowait(err)
                 return
 
