@@ -67,6 +67,10 @@ class StudentConfig(Strict):
     losses: LossWeights = Field(default_factory=LossWeights)
     # Softmax temperature of the KL term (the term is scaled by temperature**2, as in Hinton et al.).
     temperature: float = Field(1.0, gt=0)
+    # Tokens the loss terms are averaged over: all (every real token) or masked (only where the
+    # teacher's per-sample `loss_mask` is 1: chat rows' assistant tokens, generated tokens, a
+    # pre-tokenized row's mask column; samples without one count as all ones). See student/losses.py.
+    loss_on: Literal["all", "masked"] = "all"
 
     # --- batching ---
     # Padded tokens per micro-batch per rank (batch size x longest sample); a longer sample goes alone.

@@ -41,6 +41,9 @@ class Batch:
             target device, so padding never costs host memory traffic or copy bandwidth.
         layer_ids: teacher layer ids of `teacher`'s layer dimension.
         lengths: real tokens per row when `teacher` is packed; None when it is padded.
+        loss_mask: [B, T] bool, the teacher's per-token loss mask (`Sample` tensor `loss_mask`):
+            True on tokens to train on (`student.loss_on: masked`), False on padding; all True on
+            the real tokens of a sample that has none (older teachers and spool files).
     """
 
     input_ids: torch.Tensor
@@ -49,6 +52,7 @@ class Batch:
     layer_ids: list[int]
     lengths: list[int] | None = None
     pad_to: int = 1  # T is a multiple of this (collate's pad_to_multiple_of; select keeps it)
+    loss_mask: torch.Tensor | None = None  # None: every real token (as `mask`)
 
     @property
     def padded(self) -> bool:
@@ -84,7 +88,8 @@ class Batch:
                 teacher = torch.zeros((b * t, *rest), dtype=packed.dtype, device=device)
                 teacher.index_copy_(0, pos.to(device, non_blocking=non_blocking), packed)
                 teacher = teacher.view(b, t, *rest)
-        return Batch(ids, mask, teacher, self.layer_ids)
+        lm = self.loss_mask.to(device, non_blocking=non_blocking) if self.loss_mask is not None else None
+        return Batch(ids, mask, teacher, self.layer_ids, loss_mask=lm)
 
 
 def _positions(lengths: list[int], t: int) -> torch.Tensor:
@@ -133,6 +138,11 @@ def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int) -> None
             f"sample {sample.key!r}: hidden_states {list(hs.shape)} and token_ids {list(ids.shape)} "
             "must be [T, n_layers, H] and [T]"
         )
+    lm = sample.tensors.get("loss_mask")
+    if lm is not None and (lm.dim() != 1 or lm.shape[0] != ids.shape[0]):
+        raise StudentError(
+            f"sample {sample.key!r}: loss_mask {list(lm.shape)} must be [T] with T = {ids.shape[0]} tokens"
+        )
     if sample.layers and len(sample.layers) != hs.shape[1]:
         raise StudentError(f"sample {sample.key!r}: {len(sample.layers)} layer ids for {hs.shape[1]} layers")
     layer_index(sample, layer_ids)
@@ -159,6 +169,7 @@ def collate(
     hidden, dtype = first.shape[-1], first.dtype
     input_ids = torch.zeros(len(samples), t_max, dtype=torch.long)
     mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
+    loss_mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
     teacher = torch.empty(sum(lengths), len(layer_ids), hidden, dtype=dtype, pin_memory=pin_memory)
     off = 0
     for b, s in enumerate(samples):
@@ -167,6 +178,8 @@ def collate(
         pos = layer_index(s, layer_ids)
         input_ids[b, :n] = s.tensors["token_ids"]  # copies
         mask[b, :n] = True
+        lm = s.tensors.get("loss_mask")
+        loss_mask[b, :n] = True if lm is None else lm.bool()  # (shape checked by check_sample)
         dst = teacher[off : off + n]
         if pos == list(range(hs.shape[1])):
             dst.copy_(hs)  # every received layer, in order
@@ -178,8 +191,10 @@ def collate(
             dst.copy_(hs.index_select(1, torch.tensor(pos, dtype=torch.long)))
         off += n
     if pin_memory:
-        input_ids, mask = input_ids.pin_memory(), mask.pin_memory()
-    return Batch(input_ids, mask, teacher, list(layer_ids), lengths, max(pad_to_multiple_of, 1))
+        input_ids, mask, loss_mask = input_ids.pin_memory(), mask.pin_memory(), loss_mask.pin_memory()
+    return Batch(
+        input_ids, mask, teacher, list(layer_ids), lengths, max(pad_to_multiple_of, 1), loss_mask=loss_mask
+    )
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:
@@ -187,6 +202,7 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     did): equal to collating those samples."""
     idx = torch.tensor(keep, dtype=torch.long)
     mask = batch.mask.index_select(0, idx)
+    lm = batch.loss_mask.index_select(0, idx) if batch.loss_mask is not None else None
     if batch.lengths is None:
         t = int(mask.sum(1).max()) if keep else 0
         return Batch(
@@ -194,6 +210,7 @@ def select(batch: Batch, keep: list[int]) -> Batch:
             mask[:, :t].contiguous(),
             batch.teacher.index_select(0, idx)[:, :t].contiguous(),
             batch.layer_ids,
+            loss_mask=lm[:, :t].contiguous() if lm is not None else None,
         )
     lengths = [batch.lengths[i] for i in keep]
     longest = max(lengths) if keep else 0
@@ -212,9 +229,11 @@ def select(batch: Batch, keep: list[int]) -> Batch:
         torch.index_select(batch.teacher, 0, rows, out=teacher)
     ids = batch.input_ids.index_select(0, idx)[:, :t].contiguous()
     mask = mask[:, :t].contiguous()
+    lm = lm[:, :t].contiguous() if lm is not None else None
     if pinned:
         ids, mask = ids.pin_memory(), mask.pin_memory()
-    return Batch(ids, mask, teacher, batch.layer_ids, lengths, batch.pad_to)
+        lm = lm.pin_memory() if lm is not None else None
+    return Batch(ids, mask, teacher, batch.layer_ids, lengths, batch.pad_to, loss_mask=lm)
 
 
 def key_hash(key: str) -> int:
@@ -262,6 +281,7 @@ def empty_batch(layer_ids: list[int], hidden_size: int) -> Batch:
         torch.zeros(1, 1, dtype=torch.bool),
         torch.zeros(1, 1, max(len(layer_ids), 1), hidden_size),
         list(layer_ids),
+        loss_mask=torch.zeros(1, 1, dtype=torch.bool),
     )
 
 

@@ -76,20 +76,24 @@ def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConf
     pos = {lid: i for i, lid in enumerate(batch.layer_ids)}  # teacher layer id -> index in batch.teacher
     terms: dict[str, torch.Tensor] = {}
     pair_total = sum(p.weight for p in cfg.layer_map) or 1.0
+    lm = batch.loss_mask if cfg.loss_on == "masked" else None  # None: every real token counts
     for name, fn in (("mse", losses.mse), ("cosine", losses.cosine), ("nmse", losses.nmse)):
         if getattr(w, name) > 0:
             terms[name] = (
                 sum(
-                    p.weight * fn(h.float(), batch.teacher[:, :, pos[p.teacher_layer]].float(), batch.mask)
+                    p.weight
+                    * fn(
+                        h.float(), batch.teacher[:, :, pos[p.teacher_layer]].float(), batch.mask, loss_mask=lm
+                    )
                     for p, h in zip(cfg.layer_map, mapped, strict=True)
                 )
                 / pair_total
             )
     if w.kl > 0:
         teacher_logits = head(batch.teacher[:, :, pos[teacher_last]].float())
-        terms["kl"] = losses.kl(logits, teacher_logits, batch.mask, cfg.temperature)
+        terms["kl"] = losses.kl(logits, teacher_logits, batch.mask, cfg.temperature, loss_mask=lm)
     if w.ce > 0:
-        terms["ce"] = losses.ce(logits, batch.input_ids, batch.mask)
+        terms["ce"] = losses.ce(logits, batch.input_ids, batch.mask, loss_mask=lm)
     loss = sum(getattr(w, k) * v for k, v in terms.items())
     return loss, {k: v.detach() for k, v in terms.items()}
 
