@@ -53,7 +53,8 @@ def test_parquet_and_hf_folder(model, tmp_path):
     assert [r for _, r in iter_rows(_cfg(model, tmp_path / "d.parquet"))] == rows
 
     # A `datasets.save_to_disk` folder (DatasetDict with a train split), read with load_from_disk.
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a dev dependency (pyproject.toml)
+
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "hf"))
     assert [r for _, r in iter_rows(_cfg(model, tmp_path / "hf"))] == rows
     with pytest.raises(ConfigError, match="teacher.split: 'test' is not a split"):
@@ -171,3 +172,17 @@ def test_pre_tokenized_rows_need_no_tokenizer(tmp_path):
     cfg = TeacherConfig(model=str(tmp_path / "no-tokenizer-here"), dataset=str(ds), layer_ids=[1])
     p = Prompter(cfg)
     assert [p.token_ids(r) for _, r in iter_rows(cfg)] == [[5, 6, 7]]
+
+
+def test_hf_folder_bad_rows_name_the_folder_and_row(model, tmp_path):
+    """A datasets folder (load_from_disk) goes through the same row checks: `<path> row <n>`."""
+    import datasets
+
+    rows = [{"id": "a", "text": "fine"}, {"id": "b", "text": ""}, {"id": "c", "text": "also fine"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    lines = []
+    with pytest.raises(ConfigError) as e:
+        check_dataset(_cfg(model, tmp_path / "hf"), report=lambda b: lines.append(b.line()))
+    assert lines == [f"{tmp_path / 'hf'} row 1 ('b'): field 'text' is empty"]
+    assert str(e.value) == f"teacher.dataset: {lines[0]}; fix the rows or set teacher.on_bad_row=skip"
+    assert check_dataset(_cfg(model, tmp_path / "hf", on_bad_row="skip"))[0] == ["a", "c"]
