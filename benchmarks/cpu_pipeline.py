@@ -66,7 +66,7 @@ def receiver(mode: str, ep: str, spool_dir: str, expect: dict, out_q, ready) -> 
     import torch
 
     from distill.config import TransportConfig
-    from distill.spool import read_spool_file
+    from distill.spool import read_spool_file, remove_spool_file
 
     torch.set_num_threads(1)
     if mode == "stream":
@@ -98,8 +98,7 @@ def receiver(mode: str, ep: str, spool_dir: str, expect: dict, out_q, ready) -> 
                     continue
                 for p in files:
                     s = read_spool_file(p)  # shared flock on <file>.lock when present
-                    p.unlink()
-                    Path(str(p) + ".lock").unlink(missing_ok=True)
+                    remove_spool_file(p)  # and its .lock
                     if s.key in want:
                         got += 1
                     bad += _check(s, expect)

@@ -870,10 +870,11 @@ def write_synthetic_spool(cfg_path: Path, spool: Path, n: int) -> int:
     from distill.config import load_run_file
     from distill.protocol import Sample
     from distill.spool import write_sample
+    from teacher.config import model_config
 
     run = load_run_file(str(cfg_path), {})
     layers = list(run.teacher["layer_ids"])
-    hidden = json.loads((Path(run.teacher["model"]) / "config.json").read_text())["hidden_size"]
+    hidden = model_config(run.teacher["model"])["hidden_size"]
     dtype = torch.float32 if run.teacher.get("dtype") == "float32" else torch.bfloat16
     ids = token_lengths(cfg_path)
     if spool.exists():

@@ -189,8 +189,9 @@ def model_config(args) -> dict:
         os.makedirs(args.model_dir, exist_ok=True)
         with open(path, "w") as f:
             json.dump(cfg, f, indent=2)
-    with open(path) as f:
-        return json.load(f)
+    from teacher.config import model_config
+
+    return model_config(args.model_dir)
 
 
 def make_prompts(args, vocab: int):

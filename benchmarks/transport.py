@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distill.config import SpoolConfig, TransportConfig  # noqa: E402
 from distill.protocol import Sample  # noqa: E402
+from distill.spool import lock_path, remove_spool_file  # noqa: E402
 from distill.transport import Publisher, Subscriber  # noqa: E402
 
 MiB = 1 << 20
@@ -73,15 +74,13 @@ def file_reader(q, done_q) -> None:
         path = q.get()
         if path is None:
             break
-        lock = path + ".lock"
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(lock_path(path), os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits for the writer
         t = load_file(path)["hidden_states"]
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
         touch(t)
-        os.unlink(path)
-        os.unlink(lock)
+        remove_spool_file(path)  # and its .lock
         n += 1
         done_q.put(1)
     done_q.put(("end", n))
@@ -204,7 +203,7 @@ def run_file(pool, count: int, ctx) -> float:
     t0 = time.perf_counter()
     for i in range(count):
         path = str(d / f"req-{i}.safetensors")
-        fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        fd = os.open(lock_path(path), os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         qs[i % 2].put(path)  # the reader learns the path before the write is done, as in vLLM
         save_file({"hidden_states": pool[i % len(pool)]}, path)
