@@ -12,7 +12,7 @@ distill.transport.Publisher (the run file's transport section) or writes a spool
 Like `distill-teacher`, it writes a summary JSON (`--summary`, default `<journal>.summary.json`
 when a journal is given): exit code, samples submitted and resubmitted, seconds, the Publisher's
 stats. Scripts and tests read that file, not the log lines. Exit 0 when every row is committed
-(or written to the spool), 1 on `--timeout`, 2 on a usage error.
+(or written to the spool), 1 on `--timeout`, 2 on a usage or config error (one line).
 """
 
 from __future__ import annotations
@@ -169,7 +169,13 @@ def summary_path(args) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    layers = [int(x) for x in args.layers.split(",")]
+    try:
+        layers = [int(x) for x in args.layers.split(",")]
+    except ValueError:
+        print(
+            f"synthetic teacher: error: --layers {args.layers!r}: comma-separated integers", file=sys.stderr
+        )
+        return 2
     t0 = time.monotonic()
     summary = {
         "teacher": "synthetic",
@@ -183,7 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "_t0": t0,
     }
-    rc = write_spool(args, layers, summary) if args.spool else publish(args, layers, summary)
+    from distill.config import ConfigError
+    from distill.transport import TransportError
+
+    try:
+        rc = write_spool(args, layers, summary) if args.spool else publish(args, layers, summary)
+    except (ConfigError, TransportError, ValueError) as e:  # the user's to fix: one line
+        print(f"synthetic teacher: error: {e}", file=sys.stderr, flush=True)
+        rc, summary["reason"] = 2, str(e)
     summary.pop("_t0", None)
     summary.update(exit_code=rc, wall_s=round(time.monotonic() - t0, 3))
     path = summary_path(args)
