@@ -26,9 +26,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import faults
 import pytest
 import torch
 import yaml
@@ -467,3 +469,87 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, tiny_teacher
     from datasets import load_from_disk
 
     assert load_from_disk(out)[0]["loss_mask"].tolist() == [1] * 5
+
+
+# ---------------------------------------------------------------------------------------------
+# teacher.serve in spool mode as speculators' hidden-states server (offline and online)
+# ---------------------------------------------------------------------------------------------
+
+
+def _health(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        return True
+    except OSError:
+        return False
+
+
+def test_teacher_serve_in_spool_mode_is_the_hidden_states_server_for_speculators(
+    teacher_spool, tmp_path, procs
+):
+    """speculators' own clients against `python -m teacher.serve` with `"mode": "spool"`: its
+    `generate-offline-data` (offline) regenerates the export's hidden-state files from the exported
+    dataset, equal to what the teacher run spooled; its ArrowDataset with on_missing=generate
+    (online) fetches the rows whose files are missing and deletes the server's file after use."""
+    _frameworks()
+    from safetensors.torch import load_file
+    from speculators.train.data import ArrowDataset
+
+    model, spool = teacher_spool
+    out = tmp_path / "spec"
+    assert (
+        main(["--format", "speculators", "--spool", str(spool), "--out", str(out), "--teacher", str(model)])
+        == 0
+    )
+    n = len((out / "keys.txt").read_text().splitlines())
+
+    port = _free_port()
+    srv_spool = tmp_path / "server-spool"
+    extra = {"mode": "spool", "spool": {"dir": str(srv_spool)}}
+    cmd = [
+        sys.executable, "-m", "teacher.serve", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--no-enable-chunked-prefill",
+        "--speculative-config", json.dumps({
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
+        }),
+        "--kv-transfer-config", json.dumps({
+            "kv_connector": "DistillHiddenStatesConnector", "kv_connector_module_path": "teacher.connector",
+            "kv_role": "kv_producer", "kv_connector_extra_config": extra,
+        }),
+    ]  # fmt: skip
+    server = procs.start("server", cmd, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    faults.wait_until(
+        lambda: _health(port), 300, "the teacher.serve server", poll=1, check=faults.alive_or_fail(server)
+    )
+    endpoint = f"http://127.0.0.1:{port}/v1"
+
+    # offline: speculators' CLI, as its docs run it against its own vLLM server
+    regen = tmp_path / "regen"
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name("speculators")), "generate-offline-data", "--endpoint", endpoint,
+         "--preprocessed-data", str(out), "--output", str(regen), "--validate-outputs", "--concurrency", "2",
+         "--fail-on-error"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    for i in range(n):
+        got = load_file(regen / f"hs_{i}.safetensors")
+        ref = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+        assert torch.equal(got["token_ids"], ref["token_ids"])
+        # prefill of the whole sequence vs the teacher run's prefill + decode: equal on this CPU
+        # (bit-identical when measured); allow float32 rounding
+        torch.testing.assert_close(got["hidden_states"], ref["hidden_states"], rtol=1e-5, atol=1e-5)
+
+    # online: the trainer's dataset asks the server for rows whose hidden states are missing
+    online = tmp_path / "online"
+    shutil.copytree(out, online)
+    for i in (1, n - 1):
+        (online / "hidden_states" / f"hs_{i}.safetensors").unlink()
+    ds = ArrowDataset(max_len=512, datapath=str(online), on_missing="generate", vllm_endpoint=endpoint)
+    for i in (1, n - 1):
+        item = ds[i]
+        ref = load_file(out / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
+        torch.testing.assert_close(item["verifier_last_hidden_states"], ref[:, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(item["hidden_states"], ref[:, :-1].flatten(1), rtol=1e-5, atol=1e-5)
+    assert not list_spool(srv_spool)  # speculators moved / deleted every file the server wrote
