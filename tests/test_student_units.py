@@ -1,5 +1,7 @@
 """Student pieces in process (batching, layer selection, config, model) and its clear errors as a user
-sees them: a real `student.py` process exits with one readable line, no traceback."""
+sees them: one readable line, no traceback, the documented exit code (in-process through
+student.train.run where no process group is needed; real `student.py` / `accelerate launch`
+processes for the exit code itself and for errors that must stop every rank)."""
 
 from __future__ import annotations
 
