@@ -458,13 +458,15 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, tiny_teacher
         capsys, ["--format", "speculators", "--spool", str(good), "--out", str(full)], "not an empty folder"
     )
     # and the good folder does export (the checks above are not just refusing everything)
-    assert main(["--format", "speculators", "--spool", str(good), "--out", out]) == 0
+    assert main(["--format", "speculators", "--spool", str(good), "--out", out, "--progress-every", "0"]) == 0
     manifest = json.loads((Path(out) / "distill_export.json").read_text())
     assert (
         manifest["aux_layers"] == [2, 4, 5] and manifest["loss_mask"] == "all ones for 1 file(s) without one"
     )
     # a file without loss_mask (written before the teacher sent one): all ones, one warning line
-    warn = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    err = capsys.readouterr().err.splitlines()
+    assert any(x.startswith("distill-export: 1/1 samples") and "samples/s" in x for x in err), err  # progress
+    warn = [x for x in err if "warning" in x]
     assert len(warn) == 1 and "1 of 1 spool files carry no loss_mask" in warn[0] and "all ones" in warn[0]
     from datasets import load_from_disk
 
