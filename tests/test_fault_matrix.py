@@ -31,13 +31,12 @@ from pathlib import Path
 
 import faults
 import pytest
-import yaml
 from faults import Procs, freeze, rank_tree, tally, thaw, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 BIN = Path(PY).parent
-LAYERS = [2, 4]
+LAYERS = faults.TINY_LAYERS
 HB = 3.0  # transport.heartbeat_timeout_s everywhere
 
 pytestmark = pytest.mark.slow
@@ -95,32 +94,7 @@ def run_file(
             **(transport or {}),
         },
         "spool": {"dir": str(tmp / "spool"), **(spool or {})},
-        "student": {
-            "from_config": {
-                "model_type": "qwen3",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                "vocab_size": 1024,
-                "tie_word_embeddings": False,
-            },
-            "teacher_model": str(teacher_model),
-            "layer_map": [
-                {"student_layer": 1, "teacher_layer": 2, "weight": 1.0},
-                {"student_layer": 2, "teacher_layer": 4, "weight": 1.0},
-            ],
-            "losses": {"nmse": 1.0, "kl": 1.0},
-            "max_tokens_per_batch": 512,
-            "max_samples_per_batch": 2,
-            "idle_flush_s": 0.5,
-            "lr": 1.0e-2,
-            "output_dir": str(tmp / "out"),
-            "log_every": 8,
-            **(student or {}),
-        },
+        "student": faults.tiny_student(teacher_model, tmp / "out", **(student or {})),
     }
     if vllm:
         cfg["teacher"] = {
@@ -136,9 +110,7 @@ def run_file(
             "student_wait_s": 60,
             **(teacher or {}),
         }
-    p = tmp / "run.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
+    return faults.write_run_file(tmp / "run.yaml", **cfg)
 
 
 # A 4x wider, 4-layer student, one sample per micro-batch: many times slower than the tiny vLLM
