@@ -399,7 +399,7 @@ class Prompter:
             return ids, [1 if x else 0 for x in m]
         msgs = row.get(self.cfg.messages_field)
         if msgs is not None:
-            return self._chat(row, msgs, with_mask=True)
+            return self._chat(row, msgs)
         ids = list(self.tok(row[self.cfg.text_field])["input_ids"])
         return ids, [default] * len(ids)
 
@@ -420,7 +420,7 @@ class Prompter:
                 f"{type(e).__name__}: {e}"
             ) from None
 
-    def _chat(self, row, msgs, *, with_mask: bool = True) -> tuple[list[int], list[int]]:
+    def _chat(self, row, msgs) -> tuple[list[int], list[int]]:
         tok = self.tok
         if not getattr(tok, "chat_template", None):
             raise ConfigError(
@@ -428,7 +428,7 @@ class Prompter:
                 f"{self.cfg.messages_field!r} rows"
             )
         gen_prompt = bool(msgs) and msgs[-1].get("role") != "assistant"
-        if with_mask and self.has_generation_markers():
+        if self.has_generation_markers():
             out = tok.apply_chat_template(
                 list(msgs),
                 tokenize=True,
@@ -438,8 +438,6 @@ class Prompter:
             )
             return list(out["input_ids"]), [1 if x else 0 for x in out["assistant_masks"]]
         text = self._render(msgs, gen_prompt)
-        if not with_mask:
-            return list(tok(text, add_special_tokens=False)["input_ids"]), []
         # Character span of each assistant message: what rendering it adds after the prefix that
         # ends with the generation prompt.
         spans: list[tuple[int, int]] = []

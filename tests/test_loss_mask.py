@@ -493,7 +493,7 @@ def test_loss_on_masked_changes_the_students_loss():
     all_loss, all_terms = compute_loss(model, None, batch, cfg_all, None)
     masked, terms = compute_loss(model, None, batch, cfg_masked, None)
     assert set(terms) == {"mse", "nmse", "ce"}
-    assert abs(float(masked) - float(all_loss)) > 1e-4
+    assert abs(masked.item() - all_loss.item()) > 1e-4
     # The same batch with every token trained gives the unmasked loss.
     ones = collate([_sample("a", 6, [1] * 6, seed=1), _sample("b", 4, [1] * 4, seed=2)], [2])
     torch.testing.assert_close(compute_loss(model, None, ones, cfg_masked, None)[0], all_loss)
