@@ -574,6 +574,12 @@ def export(
             f"warning: {no_mask} of {len(files)} spool files carry no loss_mask (written before the teacher "
             "sent one): exported with a mask of all ones, so the trainer also trains on prompt tokens"
         )
+    if fmt == "specforge" and info and not list(Path(info.path).glob("*.safetensors.index.json")):
+        log(
+            f"note: SpecForge 0.2.0 loads the teacher's lm_head only through a *.safetensors.index.json "
+            f"(specforge/modeling/target/target_head.py) and {info.path} has none: add one "
+            '({"weight_map": {"lm_head.weight": "model.safetensors", ...}}) before training'
+        )
     return ExportResult(
         out=out,
         fmt=fmt,

@@ -243,6 +243,8 @@ def test_specforge_export_of_a_real_spool_reads_back_with_specforge_own_loader(t
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(out, spool)
     hf, norm = _hf_norm(model)
+    # SpecForge's TargetHead needs an index json to find lm_head; the tiny teacher is one file
+    assert ("has none: add one" in r.stderr) == (not list(model.glob("*.safetensors.index.json"))), r.stderr
 
     # The run file we print: SpecForge's own config loader validates it.
     assert f"specforge train --config {out.resolve() / 'specforge_run.yaml'}" in r.stdout
