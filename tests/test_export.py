@@ -13,9 +13,11 @@ speculators 0.9.0 and SpecForge 0.2.0 and read back with the frameworks' OWN dat
 Both are installed by scripts/setup.sh with `pip install --no-deps` (their GPU dependencies, sglang,
 flash-attn, torchvision, are not needed by these readers). Every reader used here runs on CPU.
 
-The loss-mask cases use spool files written with distill.spool.write_sample from the real run's
-tensors plus a `loss_mask` (the teacher does not send one yet); the bad-input cases use small
-realistic tensors.
+The real run's files carry the teacher's own `loss_mask` (chat assistant tokens and generated
+tokens). The all-zero-mask and reordered-layer case rewrites the real run's tensors with
+distill.spool.write_sample; the bad-input cases (and the file without a `loss_mask`, as spooled
+before the teacher sent one) use small random tensors in the same layout. The last test runs
+speculators' own clients against `python -m teacher.serve` in spool mode.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ def _hf_norm(model: Path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_speculators_export_of_a_real_spool_reads_back_with_speculators_own_loader(teacher_spool, tmp_path):
     _frameworks()
     from speculators.models.eagle3.data import shift_batch
@@ -227,6 +231,8 @@ def test_speculators_export_of_a_real_spool_reads_back_with_speculators_own_load
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_specforge_export_of_a_real_spool_reads_back_with_specforge_own_loader(teacher_spool, tmp_path):
     _frameworks()
     from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
@@ -309,6 +315,8 @@ def test_specforge_export_of_a_real_spool_reads_back_with_specforge_own_loader(t
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_loss_mask_from_the_spool_and_reordered_layers(teacher_spool, tmp_path, capsys):
     """Files carrying `loss_mask` (uint8, as the teacher will send it): the mask reaches both
     frameworks' readers, an all-zero one leaves its sample out (counted), no warning. Layers stored
@@ -488,6 +496,8 @@ def _health(port: int) -> bool:
         return False
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_teacher_serve_in_spool_mode_is_the_hidden_states_server_for_speculators(
     teacher_spool, tmp_path, procs
 ):
