@@ -67,6 +67,9 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
         "format": "distill-stream/1",
         # CRC32 of the tensor bytes in order: a reader checks it (a damaged file is never used).
         "crc": str(sample.crc if sample.crc is not None else sample_crc(sample)),
+        # safetensors gives tensors back sorted by name: the producer's order, which the CRC and
+        # the wire frames follow, is kept here and restored by the reader.
+        "order": json.dumps(list(sample.tensors)),
     }
     tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
     try:
@@ -100,6 +103,9 @@ def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
         raise ValueError(
             f"{p} has no 'hidden_states' tensor (keys: {sorted(tensors)}): not a hidden-state file"
         )
+    order = json.loads(md["order"]) if "order" in md else []
+    if sorted(order) == sorted(tensors):
+        tensors = {k: tensors[k] for k in order}
     key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
     crc = int(md["crc"]) if md.get("crc", "").isdigit() else None
     if crc is not None:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from distill.config import ConfigError, RunFile, TransportConfig, load_run_file, validate
-from distill.protocol import Sample
+from distill.protocol import Sample, sample_crc
 from distill.spool import iter_spool, list_spool, read_spool_file, write_sample
 
 
@@ -31,6 +31,23 @@ def test_write_read_roundtrip_with_metadata(tmp_path):
     out = read_spool_file(p)
     assert out.key == "row/7" and out.layers == [1, 2, 4] and out.meta == {"n": 5} and out.seq == 9
     assert torch.equal(out.tensors["hidden_states"].view(torch.uint8), hs.view(torch.uint8))
+
+
+def test_tensor_order_and_crc_survive_the_file(tmp_path):
+    """safetensors returns tensors sorted by name; the CRC (and the frames a replay sends) follow
+    the producer's order: a file written in any order reads back in that order and checks."""
+    s = Sample(
+        key="k",
+        tensors={
+            "token_ids": torch.arange(4),
+            "hidden_states": torch.randn(4, 2, 3),
+            "loss_mask": torch.ones(4, dtype=torch.uint8),
+        },
+        layers=[1, 2],
+    )
+    out = read_spool_file(write_sample(tmp_path, s))  # raised SpoolChecksumError before
+    assert list(out.tensors) == ["token_ids", "hidden_states", "loss_mask"]
+    assert out.crc == sample_crc(s) == sample_crc(out)
 
 
 def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
