@@ -662,10 +662,10 @@ def test_vllm_connector_spool_needs_spool_layers(tmp_path):
     assert got.layers == [2, 4] and got.key == "hs-0"
 
 
-def test_student_trains_from_a_vllm_connector_folder(tmp_path):
+def test_student_trains_from_a_vllm_connector_folder(tmp_path, capsys):
     names = _vllm_style_spool(tmp_path / "vllm", 5)
     student = {**TINY_STUDENT, "mode": "spool", "spool_dir": str(tmp_path / "vllm"), "spool_layers": [2, 4]}
-    proc = run_student(tmp_path, student)
+    proc = run_in_process(tmp_path, capsys, student)  # one process, as `python student.py` runs it
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert sorted(e[0] for e in m["trained"]) == names
