@@ -45,8 +45,43 @@ class LossWeights(Strict):
     ce: float = Field(0.0, ge=0)
 
 
+class Eagle3Config(Strict):
+    """`student.eagle3`: the EAGLE-3 draft recipe (student/eagle3.py; `recipe: eagle3`)."""
+
+    # Teacher layer ids of the 3 auxiliary states fed to the draft's fc (distinct, < n); default
+    # [2, n//2, n-3] for an n-layer teacher. The teacher must also send the last layer, n.
+    aux_layer_ids: list[int] | None = None
+    # Tokens of the draft LM head (the most frequent in vocab_from); None = the whole vocabulary.
+    draft_vocab_size: int | None = Field(None, gt=0)
+    # Token frequencies for the draft vocabulary, counted once before training: a JSONL dataset
+    # (text / messages / prompt / token_ids rows), a spool folder, or a token_freq.pt. Default:
+    # the run file's teacher.dataset.
+    vocab_from: str | None = None
+    # Training-time test: draft steps unrolled per position, and the weight decay per step.
+    ttt_steps: int = Field(3, gt=0)
+    ttt_decay: float = Field(0.8, gt=0)
+    # The teacher's logits are divided by this before its distribution is taken (1: as it is; below
+    # 1 sharpens it toward its top token, the one greedy serving accepts: for flat teachers).
+    target_temperature: float = Field(1.0, gt=0)
+    # vLLM's norm_before_residual (written to the export's config.json).
+    norm_before_residual: bool = False
+    # Draft layer widths; default: the teacher's.
+    intermediate_size: int | None = Field(None, gt=0)
+    num_attention_heads: int | None = Field(None, gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+    # Dtype of the exported weights; None: the teacher's (vLLM runs the draft in the target's dtype).
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+
+
 class StudentConfig(Strict):
     """Everything a student worker needs besides the transport/spool sections."""
+
+    # distill: a student LM learns the teacher's states/logits (model, layer_map, losses below).
+    # eagle3: an EAGLE-3 speculative-decoding draft (the `eagle3` section; model/from_config,
+    # layer_map and losses are not used; teacher_model is required); exported for vLLM.
+    recipe: Literal["distill", "eagle3"] = "distill"
+    eagle3: Eagle3Config | None = None
 
     # --- model ---
     # Local checkpoint folder of the student (transformers save_pretrained layout) ...
@@ -139,6 +174,8 @@ class StudentConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> StudentConfig:
+        if self.recipe == "eagle3":
+            return self._check_eagle3()
         if (self.model is None) == (self.from_config is None):
             raise ValueError(
                 "set exactly one of 'model' (a checkpoint folder) or 'from_config' (a config dict)"
@@ -156,6 +193,17 @@ class StudentConfig(Strict):
             raise ValueError("mse/cosine/nmse weights are set but 'layer_map' is empty")
         if hidden_terms + self.losses.kl + self.losses.ce == 0:
             raise ValueError("every loss weight is 0: nothing to train")
+        if self.lr_schedule in ("linear", "cosine") and self.max_steps is None:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps (or use 'constant')")
+        return self
+
+    def _check_eagle3(self) -> StudentConfig:
+        if self.teacher_model is None:
+            raise ValueError("recipe eagle3 needs 'teacher_model' (embeddings, final norm and LM head)")
+        if self.model is not None or self.from_config is not None or self.layer_map:
+            raise ValueError("recipe eagle3 builds its draft from the teacher: drop model, from_config and layer_map")
+        if self.eagle3 is None:
+            self.eagle3 = Eagle3Config()
         if self.lr_schedule in ("linear", "cosine") and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps (or use 'constant')")
         return self

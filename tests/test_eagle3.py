@@ -1,0 +1,282 @@
+"""The EAGLE-3 draft recipe (student/eagle3.py): vocabulary maps, the training-time-test forward
+against a step-by-step reference, the loss's masks, the export layout, and (slow, vLLM) a draft
+trained from the live stream served by vLLM: higher acceptance than an untrained one, the target's
+own greedy output, and vLLM's acceptance counts equal to what the training forward predicts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from distill.config import ConfigError
+from student.config import StudentConfig, load_student_config
+from student.data import Batch, StudentError
+from student.eagle3 import (
+    build_draft,
+    draft_loss,
+    draft_to_target,
+    eagle3_layer_ids,
+    export_draft,
+    target_to_draft,
+    token_counts,
+    vocab_maps,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+AUX = [1, 2, 3]  # the 4-layer tiny teacher: [2, n//2, n-3] = [2, 2, 1] collides
+
+
+def e3_cfg(teacher: Path, tmp: Path, **e3) -> StudentConfig:
+    vocab = tmp / "vocab.jsonl"
+    if not vocab.exists():
+        rng = random.Random(0)
+        vocab.write_text(
+            "".join(
+                json.dumps({"token_ids": [rng.randrange(300) for _ in range(50)]}) + "\n" for _ in range(20)
+            )
+        )
+    section = {"aux_layer_ids": AUX, "draft_vocab_size": 256, "vocab_from": str(vocab), "ttt_steps": 3}
+    section.update(e3)
+    return StudentConfig(recipe="eagle3", teacher_model=str(teacher), eagle3=section)
+
+
+def teacher_batch(teacher: Path, ids: list[int], lengths: list[int], seed: int = 0) -> Batch:
+    """A right-padded batch of random tokens with the teacher's real states for `ids` (transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    from teacher.reference import ReferenceStates
+
+    model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
+    ref = ReferenceStates(model)
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    x = torch.zeros(len(lengths), t, dtype=torch.long)
+    mask = torch.zeros(len(lengths), t, dtype=torch.bool)
+    states = torch.zeros(len(lengths), t, len(ids), model.config.hidden_size)
+    for r, n in enumerate(lengths):
+        row = torch.randint(0, model.config.vocab_size, (1, n), generator=g)
+        x[r, :n], mask[r, :n] = row[0], True
+        states[r, :n] = ref.states(row, ids)
+    return Batch(x, mask, states, list(ids))
+
+
+# --- vocabulary ------------------------------------------------------------------------------------
+
+
+def test_vocab_maps_round_trip_and_most_frequent_tokens():
+    counts = torch.tensor([5, 0, 9, 9, 1, 0, 7, 3])
+    d2t, t2d = vocab_maps(counts, 4, always=[5])
+    # the 3 most frequent (2, 3, 6; ties by id) plus the forced 5, draft ids ordered by target id
+    assert draft_to_target(d2t).tolist() == [2, 3, 5, 6]
+    assert d2t.tolist() == [2, 2, 3, 3] and d2t.dtype == torch.int64
+    assert t2d.tolist() == [False, False, True, True, False, True, True, False]
+    t2d_ids = target_to_draft(t2d)
+    for d, t in enumerate(draft_to_target(d2t).tolist()):
+        assert t2d_ids[t] == d  # target -> draft -> target
+    assert (t2d_ids[~t2d] == -1).all()
+    assert int(t2d.sum()) == d2t.numel()
+    with pytest.raises(StudentError):
+        vocab_maps(counts, 9)
+
+
+def test_token_counts_from_jsonl_spool_and_pt(tiny_teacher, tmp_path):
+    from distill.protocol import Sample
+    from distill.spool import write_sample
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"token_ids": [3, 3, 7]}) + "\n" + json.dumps({"text": "the model"}) + "\n")
+    c = token_counts(str(rows), str(tiny_teacher), 1024)
+    from transformers import AutoTokenizer
+
+    text_ids = AutoTokenizer.from_pretrained(str(tiny_teacher))("the model")["input_ids"]
+    expect = torch.zeros(1024, dtype=torch.long)
+    for i in [3, 3, 7, *text_ids]:
+        expect[i] += 1
+    assert torch.equal(c, expect)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    for k in range(2):
+        s = Sample(
+            key=f"k{k}",
+            tensors={"hidden_states": torch.zeros(3, 1, 4), "token_ids": torch.tensor([1, 2, 2])},
+            layers=[1],
+            meta={},
+        )
+        write_sample(spool, s)
+    c = token_counts(str(spool), str(tiny_teacher), 1024)
+    assert c[1] == 2 and c[2] == 4 and int(c.sum()) == 6
+    torch.save(expect, tmp_path / "token_freq.pt")
+    assert torch.equal(token_counts(str(tmp_path / "token_freq.pt"), str(tiny_teacher), 1024), expect)
+
+
+# --- the training forward -------------------------------------------------------------------------
+
+
+def reference_logits(model, input_ids, aux, anchor: int, steps: int) -> list[torch.Tensor]:
+    """vLLM's way, one anchor: step 0 over positions 0..anchor (keys from the teacher states), then
+    one query per step at the anchor, fed with the previous step's output and the next true token,
+    attending to step 0's keys 0..anchor and the anchor's own keys of steps 1..k. Explicit loops."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    nh, nkv, d = attn.heads, attn.kv_heads, attn.head_dim
+
+    def rope(q, k, pos):
+        cos, sin = model.rotary_emb(q, torch.tensor([[pos]]))
+        return apply_rotary_pos_emb(q[None, :, None], k[None, :, None], cos, sin)
+
+    def inputs(tok, hidden):
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(model.embed_tokens(tok)), normed], -1)
+        return x, (normed if layer.norm_before_residual else hidden)
+
+    def rest(x, residual, keys, vals, pos):
+        q = attn.q_proj(x).view(nh, d)
+        k = attn.k_proj(x).view(nkv, d)
+        v = attn.v_proj(x).view(nkv, d)
+        q, k = rope(q, k, pos)
+        q, k = q[0, :, 0], k[0, :, 0]
+        keys.append(k.repeat_interleave(nh // nkv, 0))
+        vals.append(v.repeat_interleave(nh // nkv, 0))
+        kk, vv = torch.stack(keys, 1), torch.stack(vals, 1)  # [h, n, d]
+        p = torch.softmax((q[:, None] * kk).sum(-1) * d**-0.5, -1)  # [h, n]
+        o = attn.o_proj((p[..., None] * vv).sum(1).reshape(-1))
+        h = residual + o
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    with torch.no_grad():
+        keys0, vals0, h = [], [], None
+        for j in range(anchor + 1):  # step 0, causal: position j sees keys 0..j
+            x, res = inputs(input_ids[j + 1], model.fc(aux[j]))
+            ks, vs = keys0[:], vals0[:]
+            h = rest(x, res, ks, vs, j)
+            keys0.append(ks[-1])
+            vals0.append(vs[-1])
+        out = [model.lm_head(model.norm(h))]
+        keys, vals = keys0[:], vals0[:]
+        for k in range(1, steps):
+            x, res = inputs(input_ids[anchor + k + 1], h)
+            h = rest(x, res, keys, vals, anchor + k)
+            out.append(model.lm_head(model.norm(h)))
+    return out
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_ttt_forward_matches_a_step_by_step_reference(tiny_teacher, tmp_path, norm_before_residual):
+    """Every TTT step's logits at every anchor equal an explicit vLLM-style unrolling (its own
+    caches and attention loop); padding in another row changes nothing."""
+    cfg = e3_cfg(tiny_teacher, tmp_path, norm_before_residual=norm_before_residual)
+    model, ids = build_draft(cfg)
+    assert ids == AUX + [4]
+    batch = teacher_batch(tiny_teacher, ids, [12, 7])
+    aux = batch.teacher[:, :, :3].reshape(2, 12, -1)
+    steps = 3
+    with torch.no_grad():
+        got = model(batch.input_ids, aux, batch.mask, steps)
+    for row, n in ((0, 12), (1, 7)):
+        for anchor in range(n - steps):
+            ref = reference_logits(model, batch.input_ids[row], aux[row], anchor, steps)
+            for k in range(steps):
+                torch.testing.assert_close(got[k][row, anchor], ref[k], rtol=1e-4, atol=1e-4)
+
+
+def test_draft_loss_masks_padding_loss_mask_and_empty_batches(tiny_teacher, tmp_path):
+    cfg = e3_cfg(tiny_teacher, tmp_path)
+    model, ids = build_draft(cfg)
+    batch = teacher_batch(tiny_teacher, ids, [10, 6], seed=1)
+    loss, terms = draft_loss(model, batch, cfg)
+    assert loss.item() > 0 and set(terms) == {"ttt0", "acc0", "ttt1", "acc1", "ttt2", "acc2"}
+    # what lies in the padding never matters
+    noisy = Batch(batch.input_ids.clone(), batch.mask, batch.teacher.clone(), ids)
+    noisy.input_ids[1, 6:] = 5
+    noisy.teacher[1, 6:] = torch.randn_like(noisy.teacher[1, 6:])
+    torch.testing.assert_close(draft_loss(model, noisy, cfg)[0], loss)
+    # loss_mask all zero: nothing is scored, the loss is exactly 0 and still has a graph (DDP)
+    batch.loss_mask = torch.zeros_like(batch.mask, dtype=torch.uint8)
+    zero, _ = draft_loss(model, batch, cfg)
+    assert zero.item() == 0.0 and zero.requires_grad
+    zero.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in model.parameters() if p.requires_grad)
+    # a loss_mask that keeps only the second row = the second row alone
+    batch.loss_mask = torch.zeros_like(batch.mask, dtype=torch.uint8)
+    batch.loss_mask[1, :6] = 1
+    alone = Batch(batch.input_ids[1:, :6], batch.mask[1:, :6], batch.teacher[1:, :6], ids)
+    torch.testing.assert_close(draft_loss(model, batch, cfg)[0], draft_loss(model, alone, cfg)[0])
+    # the loop's zero-weight padding batch: one padding token
+    empty = Batch(
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(1, 1, dtype=torch.bool),
+        torch.zeros(1, 1, 4, 128),
+        ids,
+    )
+    assert draft_loss(model, empty, cfg)[0].item() == 0.0
+
+
+def test_frozen_parts_come_from_the_teacher_and_get_no_gradient(tiny_teacher, tmp_path):
+    from safetensors.torch import load_file
+
+    model, ids = build_draft(e3_cfg(tiny_teacher, tmp_path))
+    w = load_file(str(tiny_teacher / "model.safetensors"))
+    assert torch.equal(model.embed_tokens.weight, w["model.embed_tokens.weight"].float())
+    assert torch.equal(model.teacher_head.lm_head.weight, w["lm_head.weight"].float())
+    assert torch.equal(model.teacher_head.norm.weight, w["model.norm.weight"].float())
+    assert torch.equal(
+        model.lm_head.weight, w["lm_head.weight"].float()[model.draft_ids]
+    )  # initial draft head
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(n.startswith(("embed_tokens", "teacher_head")) for n in trainable)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight"} <= trainable
+
+
+def test_export_is_vllms_eagle3_layout(tiny_teacher, tmp_path):
+    cfg = e3_cfg(tiny_teacher, tmp_path)
+    model, _ = build_draft(cfg)
+    out = export_draft(model, tmp_path / "draft")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert conf["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert conf["norm_before_residual"] is False
+    assert conf["draft_vocab_size"] == 256 and conf["vocab_size"] == 1024
+    assert conf["num_hidden_layers"] == 1 and conf["target_hidden_size"] == 128
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").shape == (128, 3 * 128)
+        assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape[1] == 2 * 128
+        assert f.get_tensor("lm_head.weight").shape == (256, 128)
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    assert not any(n.startswith(("embed_tokens", "teacher_head", "rotary")) for n in names)
+    assert {"norm.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight"} <= names
+    assert torch.equal(d2t, model.d2t) and torch.equal(t2d, model.t2d)
+    assert (out / "token_freq.pt").is_file()
+
+
+def test_config_errors_are_one_line(tiny_teacher, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("student:\n  recipe: eagle3\n  eagle3: {draft_vocab_size: 16}\n")
+    with pytest.raises(ConfigError, match="teacher_model"):
+        load_student_config(str(run))
+    run.write_text(
+        f"student:\n  recipe: eagle3\n  teacher_model: {tiny_teacher}\n  eagle3: {{ttt_stepz: 2}}\n"
+    )
+    with pytest.raises(ConfigError, match="ttt_stepz"):
+        load_student_config(str(run))
+    # the 4-layer default [2, 2, 1] collides
+    cfg = StudentConfig(recipe="eagle3", teacher_model=str(tiny_teacher))
+    with pytest.raises(StudentError, match="3 distinct"):
+        build_draft(cfg)
+    with pytest.raises(StudentError, match="vocab_from"):
+        build_draft(
+            StudentConfig(
+                recipe="eagle3",
+                teacher_model=str(tiny_teacher),
+                eagle3={"aux_layer_ids": AUX, "draft_vocab_size": 8},
+            )
+        )
+    assert eagle3_layer_ids(32) == [2, 16, 29, 32]
