@@ -54,11 +54,11 @@ class Eagle3Config(Strict):
     # Tokens of the draft LM head (the most frequent in vocab_from); None = the whole vocabulary.
     draft_vocab_size: int | None = Field(None, gt=0)
     # Token frequencies for the draft vocabulary, counted once before training: a JSONL dataset
-    # (text / messages / prompt / token_ids rows), a spool folder, or a token_freq.pt. Default:
-    # the run file's teacher.dataset.
+    # (text / messages / prompt / token_ids rows), a spool folder, or a token_freq.pt. Needed when
+    # draft_vocab_size is below the teacher's vocabulary.
     vocab_from: str | None = None
     # Training-time test: draft steps unrolled per position, and the weight decay per step.
-    ttt_steps: int = Field(3, gt=0)
+    ttt_steps: int = Field(3, gt=0, le=8)
     ttt_decay: float = Field(0.8, gt=0)
     # The teacher's logits are divided by this before its distribution is taken (1: as it is; below
     # 1 sharpens it toward its top token, the one greedy serving accepts: for flat teachers).
@@ -204,6 +204,8 @@ class StudentConfig(Strict):
             raise ValueError("recipe eagle3 builds its draft from the teacher: drop model, from_config and layer_map")
         if self.eagle3 is None:
             self.eagle3 = Eagle3Config()
+        if "loss_on" not in self.model_fields_set:
+            self.loss_on = "masked"  # a draft learns the responses (EAGLE-3 trainers do the same)
         if self.lr_schedule in ("linear", "cosine") and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps (or use 'constant')")
         return self

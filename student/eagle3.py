@@ -4,8 +4,10 @@ in vLLM's native EAGLE-3 layout.
 Selected by `student.recipe: eagle3` (the `student.eagle3` section, student/config.py). The loop
 is student/train.py's; this module gives it three things:
 
-- `build_draft(cfg, run)`: the draft (`Eagle3Draft`) and the teacher layer ids every batch must carry.
-- `draft_loss(model, batch, cfg)`: the loss of one micro-batch and its named terms.
+- `build_draft(cfg)`: the draft (`Eagle3Draft`, the trained module), the frozen teacher parts
+  (`TeacherParts`: embeddings, final norm, LM head; kept outside the draft so DDP and checkpoints
+  never carry them) and the teacher layer ids every batch must carry.
+- `draft_loss(model, frozen, batch, cfg)`: the loss of one micro-batch and its named terms.
 - `export_draft(model, folder)`: a folder vLLM loads as
   `speculative_config={"method": "eagle3", "model": folder, "num_speculative_tokens": k}`.
 
@@ -21,9 +23,9 @@ The draft (vLLM's Llama EAGLE-3 "midlayer", llama_eagle3.py):
 At position i the draft reads token i+1 and the teacher states of position i and predicts token
 i+2 (vLLM's first pass shifts the tokens by one). Embeddings are the teacher's, frozen (the export
 leaves them out: vLLM shares the target's). The draft LM head covers `draft_vocab_size` tokens: the
-most frequent ones in `eagle3.vocab_from` (a JSONL dataset, a spool folder or a token_freq.pt;
-default: the run file's `teacher.dataset`), counted once before training, identically on every
-rank; it starts from the teacher LM head's rows of those tokens. `d2t[d] = target_id - d` and the
+most frequent ones in `eagle3.vocab_from` (a JSONL dataset, e.g. the teacher's, a spool folder
+or a token_freq.pt), counted once before training by every rank alike (not from the stream: the
+head's size and order must be fixed before the first step); it starts from the teacher LM head's rows of those tokens. `d2t[d] = target_id - d` and the
 bool mask `t2d` [V] are vLLM's / speculators' / SpecForge's convention.
 
 Training-time test (TTT): the same layer is unrolled `ttt_steps` times. Step k at anchor i
@@ -60,6 +62,23 @@ from student.model import TeacherHead, _checkpoint_tensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM: llama_eagle3.Eagle3LlamaForCausalLM
 INIT_STD = 0.02
+MAX_TTT_STEPS = 8  # student.eagle3.ttt_steps' bound
+# The terms draft_loss reports: step k's loss and its top-1 agreement with the teacher.
+TERMS = tuple(f"{name}{k}" for k in range(MAX_TTT_STEPS) for name in ("ttt", "acc"))
+
+
+def reported_terms(cfg: StudentConfig) -> list[str]:
+    return [f"{name}{k}" for k in range(cfg.eagle3.ttt_steps) for name in ("ttt", "acc")]
+
+
+def export_dtype(cfg: StudentConfig) -> torch.dtype:
+    """student.eagle3.export_dtype, else the teacher's dtype (its config.json), else float32."""
+    name = cfg.eagle3.export_dtype
+    if name is None:
+        conf = json.loads((Path(cfg.teacher_model) / "config.json").read_text())
+        name = conf.get("dtype") or conf.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
@@ -294,24 +313,39 @@ class Eagle3Midlayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class TeacherParts(nn.Module):
+    """The teacher's frozen embeddings, final norm and LM head (read from its checkpoint)."""
+
+    def __init__(self, embed: torch.Tensor, head: TeacherHead):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed.float(), freeze=True)
+        self.head = head
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    @torch.no_grad()
+    def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] last teacher layer (before the final norm) -> [B, T, V] teacher logits (fp32)."""
+        return self.head(last_hidden.float())
+
+
 class Eagle3Draft(nn.Module):
-    """The trainable draft plus its frozen parts (teacher embeddings, teacher final norm + LM head).
+    """The trained draft: fc, midlayer, norm, lm_head. Buffers: d2t [Vd], t2d [V], draft_ids [Vd]
+    (target id of each draft id)."""
 
-    Trainable: fc, midlayer, norm, lm_head. Buffers: d2t [Vd], t2d [V], draft_ids [Vd] (target id
-    of each draft id)."""
-
-    def __init__(self, conf: LlamaConfig, embed: torch.Tensor, head: TeacherHead, d2t, t2d, ttt_steps: int):
+    def __init__(self, conf: LlamaConfig, head: TeacherHead, d2t, t2d, ttt_steps: int):
         super().__init__()
         self.config = conf
         h = conf.hidden_size
         self.ttt_steps = ttt_steps
-        self.embed_tokens = nn.Embedding.from_pretrained(embed.float(), freeze=True)
         self.fc = nn.Linear(3 * conf.target_hidden_size, h, bias=False)
         self.midlayer = Eagle3Midlayer(conf)
         self.norm = LlamaRMSNorm(h, eps=conf.rms_norm_eps)
         self.lm_head = nn.Linear(h, conf.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(conf)
-        self.teacher_head = head  # frozen (requires_grad False)
         self.register_buffer("d2t", d2t.long(), persistent=True)
         self.register_buffer("t2d", t2d.bool(), persistent=True)
         self.register_buffer("draft_ids", draft_to_target(d2t.long()), persistent=False)
@@ -328,24 +362,22 @@ class Eagle3Draft(nn.Module):
         dummy = torch.empty(0, device=device, dtype=self.fc.weight.dtype)
         return self.rotary_emb(dummy, pos)
 
-    def forward(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, mask: torch.Tensor, steps: int | None = None
-    ):
-        """input_ids [B, T]; aux [B, T, 3H_t] (the 3 auxiliary teacher states, ascending ids);
-        mask [B, T] real tokens. Returns [steps] draft logits [B, T, Vd]: step k at anchor i
-        predicts token i+k+2 (shifted inputs beyond the end read token 0; never scored)."""
+    def forward(self, embeds: torch.Tensor, aux: torch.Tensor, mask: torch.Tensor, steps: int | None = None):
+        """embeds [B, T, H] the teacher embeddings of the batch's tokens (`TeacherParts.embed`);
+        aux [B, T, 3H_t] (the 3 auxiliary teacher states, ascending ids); mask [B, T] real tokens.
+        Returns [steps] draft logits [B, T, Vd]: step k at anchor i reads token i+k+1 and predicts
+        token i+k+2 (inputs shifted beyond the end are zeros; never scored)."""
         steps = steps or self.ttt_steps
-        b, t = input_ids.shape
+        b, t, _ = embeds.shape
         hidden = self.fc(aux.to(self.fc.weight.dtype))
         cache: list = []
         out = []
         for k in range(steps):
-            ids = torch.zeros_like(input_ids)
+            shifted = torch.zeros_like(embeds, dtype=hidden.dtype)
             if t > k + 1:
-                ids[:, : t - k - 1] = input_ids[:, k + 1 :]
-            embeds = self.embed_tokens(ids).to(hidden.dtype)
-            cos, sin = self.step_positions(t, k, b, input_ids.device)
-            hidden = self.midlayer(embeds, hidden, cos, sin, cache, mask)
+                shifted[:, : t - k - 1] = embeds[:, k + 1 :]
+            cos, sin = self.step_positions(t, k, b, embeds.device)
+            hidden = self.midlayer(shifted, hidden, cos, sin, cache, mask)
             out.append(self.lm_head(self.norm(hidden)))
         return out
 
@@ -353,9 +385,9 @@ class Eagle3Draft(nn.Module):
 # --- the three entry points -----------------------------------------------------------------------
 
 
-def build_draft(cfg: StudentConfig, run=None) -> tuple[Eagle3Draft, list[int]]:
-    """The draft for `cfg` (recipe eagle3) and the teacher layer ids each batch must carry
-    (the 3 auxiliary ids, then the last layer n).
+def build_draft(cfg: StudentConfig) -> tuple[Eagle3Draft, TeacherParts, list[int]]:
+    """The draft for `cfg` (recipe eagle3), the frozen teacher parts, and the teacher layer ids
+    each batch must carry (the 3 auxiliary ids, then the last layer n).
 
     Raises:
         StudentError: missing/mismatched teacher checkpoint, bad layer ids or vocabulary source.
@@ -370,8 +402,6 @@ def build_draft(cfg: StudentConfig, run=None) -> tuple[Eagle3Draft, list[int]]:
     vocab = tconf.vocab_size
     dv = e3.draft_vocab_size or vocab
     source = e3.vocab_from
-    if source is None and run is not None and isinstance(getattr(run, "teacher", None), dict):
-        source = run.teacher.get("dataset")  # the teacher's dataset in the same run file
     if dv < vocab and source is None:
         raise StudentError(
             "student.eagle3.draft_vocab_size is below the teacher's vocabulary: set student.eagle3.vocab_from "
@@ -393,16 +423,19 @@ def build_draft(cfg: StudentConfig, run=None) -> tuple[Eagle3Draft, list[int]]:
     if embed is None:
         raise StudentError(f"teacher checkpoint {str(folder)!r} lacks {emb_name} (the draft's embeddings)")
     torch.manual_seed(cfg.seed)
-    model = Eagle3Draft(conf, embed, head, d2t, t2d, e3.ttt_steps)
+    model = Eagle3Draft(conf, head, d2t, t2d, e3.ttt_steps)
     model.token_counts = counts  # written to the export's token_freq.pt
-    return model, aux + [n]
+    return model, TeacherParts(embed, head), aux + [n]
 
 
-def draft_loss(model: nn.Module, batch, cfg: StudentConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def draft_loss(
+    model: nn.Module, frozen: TeacherParts, batch, cfg: StudentConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch: sum over TTT steps k of ttt_decay**k * the soft cross-entropy
     between the teacher's next-token distribution (draft vocabulary, renormalised) and the
     draft's, mean over scored positions. `batch.teacher` holds the layers of `build_draft`'s ids
-    (3 auxiliary, then the last); `batch.loss_mask` [B, T] (all ones when absent).
+    (3 auxiliary, then the last); with `student.loss_on: masked` (the eagle3 default) only positions
+    whose `batch.loss_mask` is set count (all when the batch has none).
 
     Returns the loss and detached terms: `ttt{k}` (step k's loss) and `acc{k}` (step k's top-1
     agreement with the teacher, the fraction of scored positions). A batch with nothing scored
@@ -417,17 +450,17 @@ def draft_loss(model: nn.Module, batch, cfg: StudentConfig) -> tuple[torch.Tenso
     b, t = batch.input_ids.shape
     aux = batch.teacher[:, :, [pos[i] for i in aux_ids]].reshape(b, t, -1)
     valid = batch.mask.bool()
-    lm = getattr(batch, "loss_mask", None)
+    lm = getattr(batch, "loss_mask", None) if cfg.loss_on == "masked" else None
     if lm is not None:
         valid = valid & lm.to(valid.device).bool()
     with torch.no_grad():
-        t_logits = inner.teacher_head(batch.teacher[:, :, pos[last_id]].float())  # [B, T, V]
+        t_logits = frozen.logits(batch.teacher[:, :, pos[last_id]])  # [B, T, V]
         top = t_logits.argmax(-1)
         in_draft = inner.t2d[top]  # the teacher's top token has a draft id
         t_logp = torch.log_softmax(t_logits.index_select(-1, inner.draft_ids) / e3.target_temperature, dim=-1)
         t_top = top
         del t_logits
-    logits = model(batch.input_ids, aux, batch.mask)
+    logits = model(frozen.embed(batch.input_ids), aux, batch.mask)
     loss = logits[0].new_zeros(())
     terms: dict[str, torch.Tensor] = {}
     for k, lg in enumerate(logits):
@@ -464,11 +497,7 @@ def export_draft(model: nn.Module, folder: str | Path, dtype: torch.dtype | None
     dtype = dtype or torch.float32
     sd = {}
     for name, p in inner.state_dict().items():
-        if name.startswith(("embed_tokens.", "teacher_head.", "rotary_emb.")) or name in (
-            "d2t",
-            "t2d",
-            "draft_ids",
-        ):
+        if name.startswith("rotary_emb.") or name in ("d2t", "t2d", "draft_ids"):
             continue
         sd[name] = p.detach().to("cpu", dtype).contiguous()
     if conf.draft_vocab_size != conf.vocab_size:  # vLLM has no d2t parameter for a full vocabulary
@@ -491,6 +520,7 @@ def export_draft(model: nn.Module, folder: str | Path, dtype: torch.dtype | None
 
 __all__ = [
     "Eagle3Draft",
+    "TeacherParts",
     "aux_layer_ids",
     "build_draft",
     "draft_loss",

@@ -14,12 +14,20 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from student import losses
+from student import eagle3, losses
 from student.config import StudentConfig
 from student.data import Batch, StudentError
 from student.model import DistillModel, TeacherHead, load_student, teacher_config
 
-TERMS = ("mse", "cosine", "nmse", "kl", "ce")  # every loss term compute_loss can report
+# every loss term compute_loss can report (recipe eagle3: each TTT step's loss and top-1 agreement)
+TERMS = ("mse", "cosine", "nmse", "kl", "ce", *eagle3.TERMS)
+
+
+def reported_terms(cfg: StudentConfig) -> list[str]:
+    """The terms this config's steps record (metrics.json, log lines)."""
+    if cfg.recipe == "eagle3":
+        return eagle3.reported_terms(cfg)
+    return [k for k in ("mse", "cosine", "nmse", "kl", "ce") if getattr(cfg.losses, k) > 0]
 
 
 @dataclass
@@ -37,6 +45,9 @@ class Built:
 
 def build_model(cfg: StudentConfig, device: torch.device) -> Built:
     """Student, projections and the frozen teacher head; StudentError (one line) on a mismatch."""
+    if cfg.recipe == "eagle3":  # the draft; `head`: the teacher's frozen embeddings, norm, LM head
+        draft, frozen, layer_ids = eagle3.build_draft(cfg)
+        return Built(draft, frozen.to(device), layer_ids, draft.config.target_hidden_size, layer_ids[-1])
     tconf = teacher_config(cfg)
     teacher_hidden = tconf.hidden_size if tconf is not None else cfg.teacher_hidden_size
     teacher_last = tconf.num_hidden_layers if tconf is not None else None
@@ -69,6 +80,8 @@ def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConf
     the dtype the teacher sent (bf16 from a bf16 teacher) and are upcast to fp32 here, on the
     device, per layer used. Returns the loss and a dict of the unweighted terms (detached).
     """
+    if cfg.recipe == "eagle3":
+        return eagle3.draft_loss(model, head, batch, cfg)
     if batch.lengths is not None:  # a packed host batch (collate): pad it where it is
         batch = batch.to(batch.input_ids.device)
     logits, mapped = model(batch.input_ids, batch.mask)
@@ -104,6 +117,8 @@ def unused_parameters(cfg: StudentConfig, model: DistillModel) -> bool:
     The logits (kl, ce) reach every student parameter; without them the final norm, the LM head
     and the layers above the deepest mapped one get none. Projections get one from a hidden-state
     term (mse, cosine, nmse) only."""
+    if cfg.recipe == "eagle3":
+        return False  # every draft parameter is on the path of every step's loss
     w = cfg.losses
     uses_logits = w.kl > 0 or w.ce > 0
     hidden_terms = w.mse + w.cosine + w.nmse > 0
@@ -119,6 +134,9 @@ def build_optimizer(cfg: StudentConfig, params):
 def save_model(accelerator: Accelerator, model, cfg: StudentConfig, final: Path) -> None:
     """The final student (main process): save_pretrained, its projections, the tokenizer files."""
     unwrapped = accelerator.unwrap_model(model)
+    if cfg.recipe == "eagle3":  # vLLM's EAGLE-3 layout (student/eagle3.py, export_draft)
+        eagle3.export_draft(unwrapped, final, eagle3.export_dtype(cfg))
+        return
     unwrapped.student.save_pretrained(final)
     unwrapped.save_projections(final)
     copy_tokenizer(cfg, final)

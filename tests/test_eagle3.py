@@ -118,7 +118,7 @@ def test_token_counts_from_jsonl_spool_and_pt(tiny_teacher, tmp_path):
 # --- the training forward -------------------------------------------------------------------------
 
 
-def reference_logits(model, input_ids, aux, anchor: int, steps: int) -> list[torch.Tensor]:
+def reference_logits(model, frozen, input_ids, aux, anchor: int, steps: int) -> list[torch.Tensor]:
     """vLLM's way, one anchor: step 0 over positions 0..anchor (keys from the teacher states), then
     one query per step at the anchor, fed with the previous step's output and the next true token,
     attending to step 0's keys 0..anchor and the anchor's own keys of steps 1..k. Explicit loops."""
@@ -133,7 +133,7 @@ def reference_logits(model, input_ids, aux, anchor: int, steps: int) -> list[tor
 
     def inputs(tok, hidden):
         normed = layer.hidden_norm(hidden)
-        x = torch.cat([layer.input_layernorm(model.embed_tokens(tok)), normed], -1)
+        x = torch.cat([layer.input_layernorm(frozen.embed(tok)), normed], -1)
         return x, (normed if layer.norm_before_residual else hidden)
 
     def rest(x, residual, keys, vals, pos):
@@ -172,34 +172,34 @@ def test_ttt_forward_matches_a_step_by_step_reference(tiny_teacher, tmp_path, no
     """Every TTT step's logits at every anchor equal an explicit vLLM-style unrolling (its own
     caches and attention loop); padding in another row changes nothing."""
     cfg = e3_cfg(tiny_teacher, tmp_path, norm_before_residual=norm_before_residual)
-    model, ids = build_draft(cfg)
+    model, frozen, ids = build_draft(cfg)
     assert ids == AUX + [4]
     batch = teacher_batch(tiny_teacher, ids, [12, 7])
     aux = batch.teacher[:, :, :3].reshape(2, 12, -1)
     steps = 3
     with torch.no_grad():
-        got = model(batch.input_ids, aux, batch.mask, steps)
+        got = model(frozen.embed(batch.input_ids), aux, batch.mask, steps)
     for row, n in ((0, 12), (1, 7)):
         for anchor in range(n - steps):
-            ref = reference_logits(model, batch.input_ids[row], aux[row], anchor, steps)
+            ref = reference_logits(model, frozen, batch.input_ids[row], aux[row], anchor, steps)
             for k in range(steps):
                 torch.testing.assert_close(got[k][row, anchor], ref[k], rtol=1e-4, atol=1e-4)
 
 
 def test_draft_loss_masks_padding_loss_mask_and_empty_batches(tiny_teacher, tmp_path):
     cfg = e3_cfg(tiny_teacher, tmp_path)
-    model, ids = build_draft(cfg)
+    model, frozen, ids = build_draft(cfg)
     batch = teacher_batch(tiny_teacher, ids, [10, 6], seed=1)
-    loss, terms = draft_loss(model, batch, cfg)
+    loss, terms = draft_loss(model, frozen, batch, cfg)
     assert loss.item() > 0 and set(terms) == {"ttt0", "acc0", "ttt1", "acc1", "ttt2", "acc2"}
     # what lies in the padding never matters
     noisy = Batch(batch.input_ids.clone(), batch.mask, batch.teacher.clone(), ids)
     noisy.input_ids[1, 6:] = 5
     noisy.teacher[1, 6:] = torch.randn_like(noisy.teacher[1, 6:])
-    torch.testing.assert_close(draft_loss(model, noisy, cfg)[0], loss)
+    torch.testing.assert_close(draft_loss(model, frozen, noisy, cfg)[0], loss)
     # loss_mask all zero: nothing is scored, the loss is exactly 0 and still has a graph (DDP)
     batch.loss_mask = torch.zeros_like(batch.mask, dtype=torch.uint8)
-    zero, _ = draft_loss(model, batch, cfg)
+    zero, _ = draft_loss(model, frozen, batch, cfg)
     assert zero.item() == 0.0 and zero.requires_grad
     zero.backward()
     assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in model.parameters() if p.requires_grad)
@@ -207,7 +207,9 @@ def test_draft_loss_masks_padding_loss_mask_and_empty_batches(tiny_teacher, tmp_
     batch.loss_mask = torch.zeros_like(batch.mask, dtype=torch.uint8)
     batch.loss_mask[1, :6] = 1
     alone = Batch(batch.input_ids[1:, :6], batch.mask[1:, :6], batch.teacher[1:, :6], ids)
-    torch.testing.assert_close(draft_loss(model, batch, cfg)[0], draft_loss(model, alone, cfg)[0])
+    torch.testing.assert_close(
+        draft_loss(model, frozen, batch, cfg)[0], draft_loss(model, frozen, alone, cfg)[0]
+    )
     # the loop's zero-weight padding batch: one padding token
     empty = Batch(
         torch.zeros(1, 1, dtype=torch.long),
@@ -215,28 +217,29 @@ def test_draft_loss_masks_padding_loss_mask_and_empty_batches(tiny_teacher, tmp_
         torch.zeros(1, 1, 4, 128),
         ids,
     )
-    assert draft_loss(model, empty, cfg)[0].item() == 0.0
+    assert draft_loss(model, frozen, empty, cfg)[0].item() == 0.0
 
 
 def test_frozen_parts_come_from_the_teacher_and_get_no_gradient(tiny_teacher, tmp_path):
     from safetensors.torch import load_file
 
-    model, ids = build_draft(e3_cfg(tiny_teacher, tmp_path))
+    model, frozen, ids = build_draft(e3_cfg(tiny_teacher, tmp_path))
     w = load_file(str(tiny_teacher / "model.safetensors"))
-    assert torch.equal(model.embed_tokens.weight, w["model.embed_tokens.weight"].float())
-    assert torch.equal(model.teacher_head.lm_head.weight, w["lm_head.weight"].float())
-    assert torch.equal(model.teacher_head.norm.weight, w["model.norm.weight"].float())
+    assert torch.equal(frozen.embed_tokens.weight, w["model.embed_tokens.weight"].float())
+    assert torch.equal(frozen.head.lm_head.weight, w["lm_head.weight"].float())
+    assert torch.equal(frozen.head.norm.weight, w["model.norm.weight"].float())
+    assert not any(p.requires_grad for p in frozen.parameters())
     assert torch.equal(
         model.lm_head.weight, w["lm_head.weight"].float()[model.draft_ids]
     )  # initial draft head
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert not any(n.startswith(("embed_tokens", "teacher_head")) for n in trainable)
+    assert trainable == {n for n, _ in model.named_parameters()}  # the draft holds no frozen part
     assert {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight"} <= trainable
 
 
 def test_export_is_vllms_eagle3_layout(tiny_teacher, tmp_path):
     cfg = e3_cfg(tiny_teacher, tmp_path)
-    model, _ = build_draft(cfg)
+    model, _, _ = build_draft(cfg)
     out = export_draft(model, tmp_path / "draft")
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -251,7 +254,7 @@ def test_export_is_vllms_eagle3_layout(tiny_teacher, tmp_path):
         assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape[1] == 2 * 128
         assert f.get_tensor("lm_head.weight").shape == (256, 128)
         d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
-    assert not any(n.startswith(("embed_tokens", "teacher_head", "rotary")) for n in names)
+    assert not any(n.startswith(("embed_tokens", "rotary")) for n in names)
     assert {"norm.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight"} <= names
     assert torch.equal(d2t, model.d2t) and torch.equal(t2d, model.t2d)
     assert (out / "token_freq.pt").is_file()
