@@ -157,8 +157,9 @@ def rounds(r: Run, stop: Stop) -> int:
     while True:
         if stop.requested:
             return interrupted(r)
-        todo = r.todo()
-        committed_before = len(r.committed() & r.required)
+        committed = r.committed()
+        todo = r.todo(committed)
+        committed_before = len(committed & r.required)
         if todo and regenerate:
             if rnd > 0:
                 log.warning("generating %d samples again (lost or missing)", len(todo))

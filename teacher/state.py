@@ -104,9 +104,9 @@ class Run:
     def committed(self) -> set[str]:
         return Journal.read(self.cfg.journal).committed
 
-    def todo(self) -> list[str]:
-        """Keys to generate: neither committed nor spooled nor skipped as too long."""
-        committed, names = self.committed(), self.spooled_names()
+    def todo(self, committed: set[str]) -> list[str]:
+        """Keys to generate: neither `committed` nor spooled nor skipped as too long."""
+        names = self.spooled_names()
         return [
             k
             for k in self.keys
