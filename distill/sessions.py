@@ -4,7 +4,7 @@ docstring): HELLO and the run check, CREDIT, ACK (credit back, the sample freed)
 journaled as lost), REFUSE and RESET. Runs on the Publisher's I/O thread.
 
 `StudentSessions` is a part of `distill.publisher.Publisher` (a mixin: it uses the Publisher's
-socket `_send`, `_students` table, `_pending` queue, `_budget`, `_spooler`, `_journal`, `_lock`,
+socket `_sock`, `_students` table, `_pending` queue, `_budget`, `_spooler`, `_journal`, `_lock`,
 `_lost` / `_lost_open` and `_free_ring_slot`); it exists so that each file keeps one job.
 """
 
