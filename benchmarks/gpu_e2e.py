@@ -76,6 +76,17 @@ TEACHER_TINY = dict(
     head_dim=32,
     vocab_size=1024,
 )
+# Qwen3-1.7B's shape (a real model's full size; random weights): the EAGLE-3 run's teacher.
+TEACHER_EAGLE3_GPU = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+)
+TEACHER_EAGLE3_TINY = dict(TEACHER_TINY, num_layers=8)  # eagle3 needs >= 7 layers
 STUDENT_GPU = dict(
     model_type="qwen3",
     hidden_size=1024,
@@ -118,6 +129,13 @@ def parse_args(argv=None):
         "--grace-s", type=float, default=90.0, help="when one side ended well, wait this long for the other"
     )
     p.add_argument("--budget-s", type=float, default=560.0, help="skip later phases past this many seconds")
+    p.add_argument(
+        "--recipe",
+        choices=["distill", "eagle3"],
+        default="distill",
+        help="eagle3: an EAGLE-3 draft of a Qwen3-1.7B-shaped teacher (random weights), layer_ids eagle3; "
+        "no bare loop (issue 13's H200 run)",
+    )
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-bare", action="store_true")
     p.add_argument("--bare-max-s", type=float, default=60.0, help="most seconds of bare-loop timing")
@@ -143,10 +161,12 @@ def build_assets(args, work: Path) -> tuple[Path, Path]:
     from distill.tiny import build_tiny_model, write_tiny_dataset
 
     if args.tiny:
-        teacher = build_tiny_model(work / "teacher", dtype=torch.float32, **TEACHER_TINY)
+        spec = TEACHER_EAGLE3_TINY if args.recipe == "eagle3" else TEACHER_TINY
+        teacher = build_tiny_model(work / "teacher", dtype=torch.float32, **spec)
         data = write_tiny_dataset(work / "data.jsonl", args.rows, seed=1, min_words=5, max_words=60)
     else:
-        teacher = build_tiny_model(work / "teacher", dtype=torch.bfloat16, **TEACHER_GPU)
+        spec = TEACHER_EAGLE3_GPU if args.recipe == "eagle3" else TEACHER_GPU
+        teacher = build_tiny_model(work / "teacher", dtype=torch.bfloat16, **spec)
         data = write_tiny_dataset(work / "data.jsonl", args.rows, seed=1, min_words=50, max_words=600)
     return teacher, data
 
@@ -167,7 +187,11 @@ def set_dotted(cfg: dict, dotted: str, value) -> None:
 
 def run_config(args, work: Path, teacher: Path, data: Path, port: int, spool: str) -> dict:
     n_layers = (TEACHER_TINY if args.tiny else TEACHER_GPU)["num_layers"]
-    if args.tiny:
+    if args.recipe == "eagle3":
+        n_layers = 4  # placeholders: replaced by layer_ids eagle3 below
+        layer_ids = [1, 2, 3, 4]
+        layer_map = []
+    elif args.tiny:
         layer_ids = [1, 2, 3, 4]
         layer_map = [{"student_layer": 1, "teacher_layer": 2}, {"student_layer": 2, "teacher_layer": 4}]
     else:
@@ -208,6 +232,16 @@ def run_config(args, work: Path, teacher: Path, data: Path, port: int, spool: st
             "log_every": 1,
         },
     }
+    if args.recipe == "eagle3":
+        teacher_sec["layer_ids"] = "eagle3"
+        st = cfg["student"]
+        for k in ("from_config", "layer_map", "losses"):
+            st.pop(k)
+        st.update(
+            recipe="eagle3",
+            eagle3={"draft_vocab_size": 256 if args.tiny else 32000, "vocab_from": str(data), "ttt_steps": 3},
+            max_tokens_per_batch=512 if args.tiny else 8192,
+        )
     import yaml
 
     for item in args.set:
@@ -1117,6 +1151,8 @@ def main(argv=None) -> int:
         env = child_env(args.tiny)
         if args.tiny:
             env["OMP_NUM_THREADS"] = "1"  # a shared 2-core machine: no spinning thread pools
+        if args.recipe == "eagle3":
+            args.skip_bare = True  # the bare loop replays the distill student's batches
         if not args.skip_bare and time.monotonic() - t_start < args.budget_s - 60:
             t = time.monotonic()
             left = args.budget_s - (time.monotonic() - t_start) - 10
