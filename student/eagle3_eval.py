@@ -3,11 +3,12 @@
     python -m student.eagle3_eval --target runs/tiny-llama --draft runs/eagle3-tiny/draft \\
         --prompts prompts.jsonl [--k 3] [--max-tokens 48] [--out result.json]
     python -m student.eagle3_eval --target ... --prompts ...      # no draft: the target alone
+    python -m student.eagle3_eval --target ... --draft none --draft A --draft B ...  # one process
 
-Greedy decoding (temperature 0). Prints one JSON object (also written to --out): `drafts`,
+Greedy decoding (temperature 0), `ignore_eos`. Per configuration one JSON object: `drafts`,
 `draft_tokens`, `accepted`, `accepted_per_pos`, `mean_acceptance_length` (1 + accepted / drafts:
 tokens gained per target step, vLLM's own definition) and `outputs` (generated token ids per
-prompt). `--prompts`: a JSONL file of {"text": ...} or {"prompt": ...} rows, or one prompt per
+prompt); printed as a list in --draft order (also written to --out). `--prompts`: a JSONL file of {"text": ...} or {"prompt": ...} rows, or one prompt per
 line of a text file. vLLM is imported here only (student/ training never needs it).
 """
 
@@ -52,6 +53,8 @@ def spec_metrics(metrics) -> dict:
 
 
 def run(target: str, draft: str | None, prompts: list[str], k: int, max_tokens: int, dtype: str) -> dict:
+    import gc
+
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
@@ -69,25 +72,33 @@ def run(target: str, draft: str | None, prompts: list[str], k: int, max_tokens: 
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = spec_metrics(llm.get_metrics()) if draft else {}
     result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["draft"] = draft
+    llm.llm_engine.engine_core.shutdown()  # the engine process ends before the next one starts
+    del llm
+    gc.collect()
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="target (teacher) checkpoint folder")
-    ap.add_argument("--draft", help="exported EAGLE-3 draft folder (none: the target alone)")
+    ap.add_argument(
+        "--draft", action="append", default=[], help="exported EAGLE-3 draft folder, or none (repeatable)"
+    )
     ap.add_argument("--prompts", required=True, help="JSONL ({'text': ...}) or one prompt per line")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
-    for p, what in ((args.target, "--target"), (args.draft, "--draft")):
+    drafts = [None if d in ("", "none") else d for d in args.draft] or [None]
+    for p, what in ((args.target, "--target"), *((d, "--draft") for d in drafts)):
         if p and not (Path(p) / "config.json").is_file():
             print(f"eagle3_eval error: {what} {p!r} has no config.json", file=sys.stderr)
             sys.exit(2)
-    result = run(args.target, args.draft, read_prompts(args.prompts), args.k, args.max_tokens, args.dtype)
-    text = json.dumps(result)
+    prompts = read_prompts(args.prompts)
+    results = [run(args.target, d, prompts, args.k, args.max_tokens, args.dtype) for d in drafts]
+    text = json.dumps(results)
     if args.out:
         Path(args.out).write_text(text)
     print(text, flush=True)
