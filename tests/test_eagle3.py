@@ -479,3 +479,18 @@ def test_draft_trained_from_the_vllm_teacher_stream_speeds_up_vllm(tmp_path, pro
     assert drafts == after["drafts"]
     for got, want in zip(after["accepted_per_pos"], per_pos, strict=True):
         assert abs(got - want) <= 1, (after["accepted_per_pos"], per_pos)  # (exact in every run so far)
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("configs/eagle3_*.yaml")), ids=lambda p: p.name)
+def test_eagle3_configs_load(path):
+    """Each shipped eagle3 run file passes both loaders; the teacher sends the aux layers + the last."""
+    from distill.config import load_run_file
+    from teacher.config import load_teacher_config
+
+    cfg, run = load_student_config(str(path))
+    assert cfg.recipe == "eagle3" and cfg.loss_on == "masked"
+    teacher = load_teacher_config(run.teacher)
+    assert set(cfg.eagle3.aux_layer_ids) < set(teacher.layer_ids)
+    assert max(teacher.layer_ids) not in cfg.eagle3.aux_layer_ids
+    assert load_run_file(str(path), {}).student["recipe"] == "eagle3"
+    assert path.read_text().startswith("# accelerate launch student.py --config " + f"configs/{path.name}")
