@@ -119,7 +119,10 @@ class Subscriber:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, to_ms)
             sock.setsockopt(zmq.HEARTBEAT_TTL, to_ms)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, to_ms)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, to_ms)
+            # Reconnect attempts at least every second: a teacher that rebinds its endpoint (the
+            # serving Publisher after the engine's) is found within ~1 s, not after a backoff of up
+            # to heartbeat_timeout_s, by which time a teacher with nothing left to serve has left.
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(hb_ms, 1000))
             if self.cfg.socket_buffer_bytes:
                 sock.setsockopt(zmq.SNDBUF, self.cfg.socket_buffer_bytes)
                 sock.setsockopt(zmq.RCVBUF, self.cfg.socket_buffer_bytes)

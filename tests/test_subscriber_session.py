@@ -57,3 +57,32 @@ def test_two_crossed_hellos_answered_twice_are_not_foreign(tmp_path):
     finally:
         sub.close()
         router.close(0)
+
+
+def test_student_finds_a_new_teacher_socket_within_a_second_or_two(tmp_path, free_port):
+    """distill-teacher closes the engine's Publisher after generation and binds a serving one on the
+    same endpoint; when everything is already committed, the serving Publisher sends END to whoever
+    arrives within a few seconds, then leaves. A student's reconnect backoff (doubling, capped at
+    heartbeat_timeout_s = 10 s) made it arrive up to 10 s after the bind, after the teacher had
+    left: it then waited transport.teacher_wait_s (seen in an end-to-end run). With reconnects at
+    least every second, a student is back within ~2 s of the new bind."""
+    from distill.config import SpoolConfig
+    from distill.transport import Publisher
+
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    pcfg = TransportConfig(bind=[ep], shm="off", heartbeat_interval_s=0.5)
+    sub = Subscriber(TransportConfig(connect=[ep], shm="off", heartbeat_interval_s=0.5)).start()
+    try:
+        with Publisher(pcfg, SpoolConfig(dir=str(tmp_path / "spool1"))) as pub:
+            deadline = time.monotonic() + 10
+            while pub.stats()["students"] < 1:
+                assert time.monotonic() < deadline, "the student never reached the first teacher"
+                time.sleep(0.05)
+        time.sleep(7.0)  # the engine shuts down: the student's reconnect attempts are refused
+        with Publisher(pcfg, SpoolConfig(dir=str(tmp_path / "spool2"))) as pub2:
+            t_bind = time.monotonic()
+            while pub2.stats()["students"] < 1:
+                assert time.monotonic() - t_bind < 3.0, "the student took over 3 s to reach the new socket"
+                time.sleep(0.05)
+    finally:
+        sub.close()
