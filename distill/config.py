@@ -75,7 +75,9 @@ class TransportConfig(Strict):
     shm_dir: str = "/dev/shm"
     # Payload checksum: computed once per sample by the producer (connector sender thread), carried
     # in the header and the spool file, verified by every receiver (mismatch: rejected, counted,
-    # sent again). zlib's CRC32 runs at ~4 GB/s per core here.
+    # sent again). zlib's CRC32 runs at ~4 GB/s per core here; on an H200 teacher streaming ~1.2 GB/s
+    # it cost 30% of the generation rate (BENCHMARKS.md): `none` for throughput runs (ring-slot
+    # stamps still catch stale shared memory; spool files always carry a CRC).
     checksum: Literal["none", "crc32"] = "crc32"
     # Student side: raise glibc's mmap/trim thresholds so large received frames reuse warm heap
     # memory instead of a fresh mmap per sample (distill.transport.tune_malloc).
