@@ -575,7 +575,9 @@ def test_engine_killed_mid_run_exits_1_and_never_sends_end(assets, tmp_path):
     cfg.write_text(yaml.safe_dump(run))
     ep = run["transport"]["bind"][0]
     journal = tmp_path / "journal.txt"
-    student = _Student(ep, delay_s=0.1)
+    # One sample in flight at a time, 0.2 s each: a few samples past the commits at most are
+    # generated ahead (with the default credit of 32 the whole dataset could be, under load).
+    student = _Student(ep, delay_s=0.2, credit_samples=1)
     student.start()
     teacher = subprocess.Popen(
         [*CLI, "--config", str(cfg), "--set", "transport.connect_timeout_s=120"],
