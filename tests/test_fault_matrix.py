@@ -439,7 +439,17 @@ def test_spool_folder_full_blocks_the_producer(procs, tmp_path, tiny_teacher, te
     teacher = start_synthetic(procs, "teacher", tiny_teacher, data, run)
     w.start()
     try:
-        time.sleep(12)
+        # The teacher spools until the folder is full, then waits: the count stops growing (how soon
+        # depends on the machine's load; a fixed sleep raced when the teacher started slowly).
+        wait_until(lambda: in_spool(run, expected), 180, "a first spool file", check=alive_or_fail(teacher))
+        last, since = -1, time.monotonic()
+        while time.monotonic() - since < 4.0:
+            now_n = len(in_spool(run, expected))
+            if now_n != last:
+                last, since = now_n, time.monotonic()
+            assert teacher.alive(), f"the teacher did not wait for room in the spool:\n{teacher.tail()}"
+            time.sleep(0.2)
+        time.sleep(2.0)
         assert teacher.alive(), f"the teacher did not wait for room in the spool:\n{teacher.tail()}"
         n_spooled = len(in_spool(run, expected))
         assert 0 < n_spooled < n, f"{n_spooled} of {n} spooled before any student came"
