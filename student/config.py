@@ -201,7 +201,9 @@ class StudentConfig(Strict):
         if self.teacher_model is None:
             raise ValueError("recipe eagle3 needs 'teacher_model' (embeddings, final norm and LM head)")
         if self.model is not None or self.from_config is not None or self.layer_map:
-            raise ValueError("recipe eagle3 builds its draft from the teacher: drop model, from_config and layer_map")
+            raise ValueError(
+                "recipe eagle3 builds its draft from the teacher: drop model, from_config and layer_map"
+            )
         if self.eagle3 is None:
             self.eagle3 = Eagle3Config()
         if "loss_on" not in self.model_fields_set:
