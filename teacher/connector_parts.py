@@ -1,0 +1,126 @@
+"""Self-contained parts of the KV connector (teacher/connector.py): what travels from the scheduler
+to the worker per request (`_SampleInfo`), the sender thread's input (`_Job`), the pinned staging
+pool of the CUDA copy path (`_PinnedPool`), the configured-layer-order permutation (`_layer_perm`),
+the loss mask built from a request's `loss_spans` (`_spans_ok`, `loss_mask`) and the spool lock
+(`_take_lock`). No vLLM import here: only torch and distill.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distill.spool import lock_path
+
+
+@dataclass
+class _SampleInfo:
+    """Per-request facts the scheduler learns and the worker needs (travels in the metadata)."""
+
+    key: str
+    meta: dict[str, Any]
+    path: str  # spool path (lock file beside it)
+    verify: bool = False  # a probed request: a copy of what is delivered goes to verify_dir
+    # Loss mask over the prompt as [start, end) spans (kv_transfer_params["loss_spans"]); None:
+    # the request did not say (prompt all ones, or all zeros when generated tokens are kept).
+    loss_spans: list[list[int]] | None = None
+    prompt_len: int = -1  # prompt tokens (set when the request finishes; -1: unknown)
+
+
+@dataclass
+class _Job:
+    """One sample on its way from the cache to the Publisher (sender thread input)."""
+
+    req_id: str
+    info: _SampleInfo
+    token_ids: torch.Tensor  # [T] int64, CPU
+    hidden_states: torch.Tensor  # [T, L, H] CPU (CUDA: a view into a pinned staging buffer)
+    copy_done: Any  # CUDA event to wait on before reading `hidden_states`; None on CPU
+    staging: torch.Tensor | None  # pinned buffer to give back once copied out; None on CPU
+    lock_fd: int | None  # fd holding LOCK_EX on `<path>.lock`; closed once the sample is placed
+
+
+class _PinnedPool:
+    """Reused pinned host buffers for device-to-host copies (CUDA only).
+
+    A buffer is taken for one copy and given back by the sender thread as soon as the rows were
+    copied into pageable memory (the Publisher keeps that copy until acked, so pinned memory stays
+    bounded at `capacity` buffers). When every buffer is busy, `take` returns None and the caller
+    copies into pageable memory instead.
+    """
+
+    def __init__(self, capacity: int, *, pin: bool = True):
+        self.capacity = capacity  # most buffers ever allocated
+        self.pin = pin  # False only in CPU unit tests (pinning needs CUDA)
+        self._free: list[torch.Tensor] = []  # idle uint8 pinned buffers
+        self._count = 0  # buffers allocated so far
+        self._lock = threading.Lock()  # take (engine thread) vs give (sender thread)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                # By index: list.remove would compare tensors with ==, elementwise.
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            if self._count < self.capacity:
+                self._count += 1
+            elif self._free:
+                self._free.pop(0)  # too small for this sample: replace it by a larger one
+            else:
+                return None
+        size = 1 << max(20, (nbytes - 1).bit_length())  # power of two >= 1 MiB: few re-allocations
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+def _layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
+    """Cache slot of each configured layer id (the cache holds them in ascending order), or None
+    when the configured order already is ascending (no reordering)."""
+    order = sorted(layer_ids)
+    if order == list(layer_ids):
+        return None
+    return torch.tensor([order.index(x) for x in layer_ids], dtype=torch.long)
+
+
+def _spans_ok(spans: Any) -> bool:
+    return isinstance(spans, list | tuple) and all(
+        isinstance(p, list | tuple)
+        and len(p) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+        for p in spans
+    )
+
+
+def loss_mask(info: _SampleInfo, num_tokens: int) -> torch.Tensor:
+    """The sample's `loss_mask` [num_tokens] uint8: the prompt's spans (clipped to the prompt, so a
+    truncated prompt keeps the part of its mask that is left), 1 on every generated token (the
+    sample's tokens past the prompt, include_output_tokens). Without spans: the prompt is all ones
+    when the sample has no generated tokens, else all zeros."""
+    n = num_tokens
+    p = info.prompt_len if 0 <= info.prompt_len <= n else n
+    m = torch.zeros(n, dtype=torch.uint8)
+    if info.loss_spans is None:
+        if p == n:
+            m.fill_(1)
+    else:
+        for a, b in info.loss_spans:
+            a, b = max(a, 0), min(b, p)
+            if a < b:
+                m[a:b] = 1
+    m[p:] = 1
+    return m
+
+
+def _take_lock(path: str) -> int:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(lock_path(path), os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
