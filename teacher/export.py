@@ -1,36 +1,12 @@
 """`distill-export --format speculators|specforge --spool DIR --out DIR [--teacher MODEL_DIR]`
 
 Turns a spool folder (one safetensors file per sample in vLLM's layout, distill/spool.py) into the
-on-disk layout that an EAGLE-3 trainer reads as its own offline data. Both layouts were taken from
-the frameworks' sources (the PyPI wheels named below), not from their docs:
-
-speculators 0.9.0 (`speculators train --data-path OUT`):
-    OUT/                      a `datasets.save_to_disk` folder, torch format, columns
-                              `input_ids` int64 [S], `loss_mask` int64 [S], `seq_len` int
-                              (speculators/train/data.py ArrowDataset: load_from_disk(datapath),
-                              `seq_len` for the batch sampler, `loss_mask` per row)
-    OUT/hidden_states/hs_{row}.safetensors
-                              `hidden_states` [S, 3 + 1, H] (aux layers, then the LAST layer,
-                              pre-norm: ArrowDataset takes [:, :-1] as the aux states and [:, -1]
-                              as `verifier_last_hidden_states`) and `token_ids` [S] (compared with
-                              the row's input_ids). hs_connectors FileTransfer.get_cached reads
-                              them with safetensors.load_file. That is exactly a spool file whose
-                              layers are [aux..., last]: such files are HARD-LINKED, not copied
-                              (a copy only across file systems); others are rewritten.
-    OUT/token_freq.pt         {token id: count} over the loss-masked tokens
-                              (speculators/train/vocab_mapping.py save_token_frequency_distribution;
-                              `--draft-vocab-size N` builds d2t/t2d from it).
-SpecForge 0.2.0 (`specforge train --config OUT/specforge_run.yaml`; data.hidden_states_path = OUT):
-    OUT/rows_{a}-{b}/data_{row}.ckpt
-                              torch.save of {`input_ids` int64 [S], `loss_mask` int64 [S],
-                              `aux_hidden_state` [1, S, 3H] (the three aux layers concatenated
-                              in order), `hidden_state` [1, S, H] = the last layer AFTER the
-                              teacher's final RMSNorm} (specforge/runtime/data_plane/offline_reader.py
-                              lists *.ckpt recursively; algorithms/eagle3/data.py
-                              normalize_offline_sample reads the four keys; the trainer feeds
-                              `hidden_state` straight into the frozen lm_head,
-                              modeling/target/target_head.py, hence post-norm). The norm's weight
-                              and eps come from the teacher folder (--teacher, required).
+on-disk layout that an EAGLE-3 trainer reads as its own offline data. This module is the CLI, the
+argument checks and the shared reading/checking of the spool files; the layouts and their writers
+are teacher/export_speculators.py (speculators 0.9.0: a `datasets` folder, hs_{row}.safetensors
+hard links, token_freq.pt) and teacher/export_specforge.py (SpecForge 0.2.0: .ckpt files with the
+post-norm last layer, and a run file); teacher/export_plan.py reads the teacher folder (layer
+count, hidden size, final RMSNorm) and picks the layers.
 
 Layer ids are vLLM's (0 = embeddings, k = output of decoder layer k-1, n = last layer, pre-norm):
 speculators' `--target-layer-ids` uses the same numbering (without the last layer); SpecForge's
@@ -62,333 +38,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
 
-from distill.config import ConfigError
 from distill.protocol import Sample
 from distill.spool import SpoolChecksumError, list_spool, read_spool_file
-
-FORMATS = ("speculators", "specforge")
-SPECFORGE_GROUP = 5000  # files per rows_{a}-{b} folder (as SpecForge's prepare_hidden_states.py)
-ARROW_BATCH = 1024  # rows per record batch of the speculators dataset (bounded memory)
-MANIFEST = "distill_export.json"
-KEYS_FILE = "keys.txt"
-SPECFORGE_RUN = "specforge_run.yaml"
-DEFAULT_DRAFT_VOCAB = 32000
-
-# The final norm's weight in common checkpoints (text models, then multimodal wrappers).
-_NORM_KEYS = (
-    "model.norm.weight",
-    "model.language_model.norm.weight",
-    "language_model.model.norm.weight",
-    "model.text_model.norm.weight",
-    "transformer.norm.weight",
-    "transformer.ln_f.weight",
+from teacher.export_plan import (
+    ExportError,
+    FinalNorm,
+    LayerPlan,
+    TeacherInfo,
+    eagle3_layer_ids,
+    load_final_norm,
+    plan_layers,
+    teacher_info,
+)
+from teacher.export_specforge import SPECFORGE_GROUP, SPECFORGE_RUN, SpecForgeWriter, specforge_yaml
+from teacher.export_speculators import (
+    ARROW_BATCH,
+    DEFAULT_DRAFT_VOCAB,
+    SpeculatorsWriter,
+    speculators_command,
 )
 
+__all__ = [
+    "ARROW_BATCH",
+    "DEFAULT_DRAFT_VOCAB",
+    "FORMATS",
+    "KEYS_FILE",
+    "MANIFEST",
+    "SPECFORGE_GROUP",
+    "SPECFORGE_RUN",
+    "ExportError",
+    "ExportResult",
+    "FinalNorm",
+    "LayerPlan",
+    "TeacherInfo",
+    "eagle3_layer_ids",
+    "export",
+    "load_final_norm",
+    "main",
+    "plan_layers",
+    "teacher_info",
+    "trainer_flags",
+]
 
-class ExportError(ValueError):
-    """Input the export cannot use; the message is one line that says what to do."""
-
-
-def eagle3_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's choice for an n-layer teacher: [2, n//2, n-3] plus the last layer n."""
-    n = num_layers
-    return [2, n // 2, n - 3, n]
-
-
-# ---------------------------------------------------------------------------------------------
-# Teacher facts: layer count, hidden size, final RMSNorm
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TeacherInfo:
-    path: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int | None
-    tied_embeddings: bool
-    cfg: dict
-
-
-def teacher_info(model_dir: str) -> TeacherInfo:
-    from teacher.config import model_config
-
-    try:
-        cfg = model_config(model_dir)
-    except ConfigError as e:
-        raise ExportError(str(e).replace("teacher.model:", "--teacher:", 1)) from None
-    n, h = cfg.get("num_hidden_layers"), cfg.get("hidden_size")
-    if not isinstance(n, int) or not isinstance(h, int):
-        raise ExportError(f"--teacher: {model_dir}/config.json has no integer num_hidden_layers/hidden_size")
-    vocab = cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None
-    return TeacherInfo(model_dir, n, h, vocab, bool(cfg.get("tie_word_embeddings", False)), cfg)
-
-
-@dataclass
-class FinalNorm:
-    """The teacher's final RMSNorm, applied as transformers applies it."""
-
-    weight: torch.Tensor
-    eps: float
-    offset: bool  # Gemma: y * (1 + w)
-    key: str
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (y * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight.to(x.dtype) * y.to(x.dtype)
-
-
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file of a model folder (index json when there is one)."""
-    index = sorted(model_dir.glob("*.safetensors.index.json"))
-    if index:
-        try:
-            wm = json.loads(index[0].read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ExportError(f"--teacher: cannot read {index[0]}: {e}") from None
-        return {k: model_dir / v for k, v in wm.items()}
-    out: dict[str, Path] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    out[k] = f
-        except (OSError, SafetensorError) as e:
-            raise ExportError(f"--teacher: cannot read {f}: {e}") from None
-    return out
-
-
-def load_final_norm(info: TeacherInfo) -> FinalNorm:
-    """The final norm's weight (from the teacher's safetensors) and eps (from config.json)."""
-    eps = info.cfg.get("rms_norm_eps")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise ExportError(
-            f"--teacher: {info.path}/config.json has no rms_norm_eps: cannot apply the final RMSNorm "
-            "that SpecForge's hidden_state needs"
-        )
-    files = _weight_files(Path(info.path))
-    if not files:
-        raise ExportError(
-            f"--teacher: {info.path} has no *.safetensors weights: SpecForge's hidden_state is the last "
-            "layer after the final norm, and its weight is read from the teacher's safetensors"
-        )
-    key = next((k for k in _NORM_KEYS if k in files), None)
-    if key is None:
-        cands = [
-            k
-            for k in files
-            if re.search(r"(^|\.)norm\.weight$", k)
-            and ".layers." not in k
-            and not re.match(r"^(model\.)?(vision|visual|audio|mtp)", k)
-        ]
-        if len(cands) != 1:
-            raise ExportError(
-                f"--teacher: cannot tell the final norm's weight in {info.path}: "
-                f"{'none of ' + str(list(_NORM_KEYS)) if not cands else 'several candidates ' + str(cands[:5])}"
-            )
-        key = cands[0]
-    if f"{key[: -len('weight')]}bias" in files:
-        raise ExportError(f"--teacher: the final norm {key!r} has a bias: a LayerNorm, not an RMSNorm")
-    with safe_open(str(files[key]), framework="pt") as sf:
-        w = sf.get_tensor(key)
-    if w.shape != (info.hidden_size,):
-        raise ExportError(f"--teacher: {key} has shape {list(w.shape)}, not [{info.hidden_size}]")
-    offset = str(info.cfg.get("model_type", "")).startswith("gemma")
-    return FinalNorm(weight=w, eps=float(eps), offset=offset, key=key)
-
-
-# ---------------------------------------------------------------------------------------------
-# Layers
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LayerPlan:
-    layers: list[int]  # as stored in the spool files
-    aux: list[int]  # the three aux layers, in the order they are concatenated
-    last: int
-    aux_idx: list[int] = field(default_factory=list)
-    last_idx: int = -1
-
-    @property
-    def direct(self) -> bool:
-        """The spool file already is [aux..., last]: speculators can read it as it is."""
-        return self.layers == [*self.aux, self.last]
-
-
-def plan_layers(layers: list[int], num_layers: int | None, aux_arg: list[int] | None, fmt: str) -> LayerPlan:
-    if not layers:
-        raise ExportError(
-            "the spool files carry no layer ids (written by vLLM's own connector?): pass "
-            "--layer-ids with the ids the teacher extracted, in order"
-        )
-    last = num_layers if num_layers is not None else max(layers)
-    n_txt = f"this {last}-layer teacher" if num_layers is not None else f"a {last}-layer teacher"
-    fix = f"set teacher.layer_ids: eagle3 (= {eagle3_layer_ids(last)} for {n_txt}) and generate again"
-    if last not in layers:
-        raise ExportError(
-            f"the spool holds layers {layers} but not the teacher's last layer {last}, which EAGLE-3 "
-            f"trains against: {fix}"
-        )
-    cands = [x for x in layers if x != last]
-    if aux_arg:
-        bad = [x for x in aux_arg if x not in cands]
-        if bad or len(aux_arg) != 3 or len(set(aux_arg)) != 3:
-            raise ExportError(
-                f"--aux-layers {aux_arg}: EAGLE-3 needs three distinct aux layers among those in the "
-                f"spool other than the last ({cands})"
-            )
-        aux = list(aux_arg)
-    elif len(cands) != 3:
-        raise ExportError(
-            f"EAGLE-3 needs 3 aux layers plus the last; the spool holds layers {layers} (aux {cands}, "
-            f"last {last}): {fix}" + (", or pick three with --aux-layers" if len(cands) > 3 else "")
-        )
-    else:
-        aux = cands
-    if fmt == "specforge" and min(aux) < 1:
-        raise ExportError(
-            f"aux layer 0 (the embeddings) cannot be given to SpecForge (its ids count decoder layers "
-            f"from 0 = our 1): {fix}"
-        )
-    return LayerPlan(
-        layers=list(layers),
-        aux=aux,
-        last=last,
-        aux_idx=[layers.index(x) for x in aux],
-        last_idx=layers.index(last),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Writers
-# ---------------------------------------------------------------------------------------------
-
-
-class _SpeculatorsWriter:
-    def __init__(self, root: Path, plan: LayerPlan):
-        import pyarrow as pa
-
-        self.pa = pa
-        self.root = root
-        self.plan = plan
-        self.hs_dir = root / "hidden_states"
-        self.hs_dir.mkdir(parents=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=".arrow-", dir=root.parent))
-        self.schema = pa.schema(
-            [
-                ("input_ids", pa.list_(pa.int64())),
-                ("loss_mask", pa.list_(pa.int64())),
-                ("seq_len", pa.int64()),
-            ]
-        )
-        self._sink = pa.OSFile(str(self.tmp / "data.arrow"), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, self.schema)
-        self._rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-        self.linked = self.copied = self.rewritten = 0
-
-    def add(self, row: int, src: Path, s: Sample, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        dst = self.hs_dir / f"hs_{row}.safetensors"
-        if self.plan.direct:
-            try:
-                os.link(src, dst)
-                self.linked += 1
-            except OSError:  # another file system (EXDEV) or no hard links there: a plain copy
-                shutil.copyfile(src, dst)
-                self.copied += 1
-        else:
-            idx = [*self.plan.aux_idx, self.plan.last_idx]
-            hs = s.tensors["hidden_states"][:, idx].contiguous()
-            save_file({"hidden_states": hs, "token_ids": ids.contiguous()}, str(dst))
-            self.rewritten += 1
-        self._rows["input_ids"].append(ids.tolist())
-        self._rows["loss_mask"].append(mask.tolist())
-        self._rows["seq_len"].append(int(ids.numel()))
-        if len(self._rows["seq_len"]) >= ARROW_BATCH:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._rows["seq_len"]:
-            self._writer.write_batch(self.pa.record_batch(self._rows, schema=self.schema))
-            self._rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
-
-    def finish(self, token_freq: Counter) -> None:
-        import datasets
-
-        datasets.disable_progress_bars()  # our own progress lines; one summary at the end
-        self._flush()
-        self._writer.close()
-        self._sink.close()
-        try:
-            ds = datasets.Dataset.from_file(str(self.tmp / "data.arrow"))
-            ds.set_format(type="torch")
-            ds.save_to_disk(str(self.root))
-            del ds
-        finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        torch.save(dict(token_freq), self.root / "token_freq.pt")
-
-    def abort(self) -> None:
-        try:
-            self._writer.close()
-            self._sink.close()
-        except Exception:  # noqa: BLE001 (best effort on the way out)
-            pass
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def summary(self) -> str:
-        parts = [f"{self.linked} hard-linked"]
-        if self.copied:
-            parts.append(f"{self.copied} copied (no hard link possible there)")
-        if self.rewritten:
-            parts.append(f"{self.rewritten} rewritten (layers reordered/selected)")
-        return ", ".join(parts)
-
-
-class _SpecForgeWriter:
-    def __init__(self, root: Path, plan: LayerPlan, norm: FinalNorm):
-        self.root = root
-        self.plan = plan
-        self.norm = norm
-        self.written = 0
-
-    def add(self, row: int, src: Path, s: Sample, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        hs = s.tensors["hidden_states"]
-        start = row // SPECFORGE_GROUP * SPECFORGE_GROUP
-        d = self.root / f"rows_{start}-{start + SPECFORGE_GROUP}"
-        d.mkdir(exist_ok=True)
-        aux = hs[:, self.plan.aux_idx].flatten(1)  # [S, 3H]: the aux layers side by side, in order
-        last = self.norm(hs[:, self.plan.last_idx])  # [S, H], post-norm
-        torch.save(
-            {
-                "input_ids": ids.to(torch.long).clone(),
-                "loss_mask": mask.clone(),
-                "hidden_state": last.unsqueeze(0).contiguous(),
-                "aux_hidden_state": aux.unsqueeze(0).contiguous(),
-            },
-            d / f"data_{row}.ckpt",
-        )
-        self.written += 1
-
-    def finish(self, token_freq: Counter) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    def summary(self) -> str:
-        return f"{self.written} .ckpt files written (final norm {self.norm.key} applied)"
-
-
-# ---------------------------------------------------------------------------------------------
-# The export
-# ---------------------------------------------------------------------------------------------
+FORMATS = ("speculators", "specforge")
+MANIFEST = "distill_export.json"
+KEYS_FILE = "keys.txt"
 
 
 @dataclass
@@ -406,6 +102,33 @@ class ExportResult:
     seconds: float
 
 
+@dataclass
+class _Source:
+    """The checked spool: its files, the first one read, the layer plan and the tensors' shape."""
+
+    spool: Path
+    files: list[Path]
+    first: Sample
+    plan: LayerPlan
+    hidden: int
+    dtype: torch.dtype
+    info: TeacherInfo | None
+    norm: FinalNorm | None
+
+
+@dataclass
+class _Tally:
+    """What the conversion loop counted."""
+
+    keys: list[str] = field(default_factory=list)
+    token_freq: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    masked: int = 0
+    no_mask: int = 0
+    unsupervised: int = 0
+    nbytes: int = 0
+
+
 def _read(path: Path) -> Sample:
     try:
         return read_spool_file(path)
@@ -421,6 +144,171 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def _check_args(fmt: str, spool: Path, out: Path, teacher: str | None) -> list[Path]:
+    """The arguments that need no spool file read: --spool, --out, and --teacher's need."""
+    if not spool.is_dir():
+        raise ExportError(f"--spool {str(spool)!r} is not a folder")
+    files = list_spool(spool)
+    if not files:
+        raise ExportError(
+            f"--spool {str(spool)!r} holds no *.safetensors spool files: run the teacher first "
+            "(teacher.after_generation: exit keeps every sample there)"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {str(out)!r} exists and is not an empty folder: choose a new one")
+    if fmt == "specforge" and not teacher:
+        raise ExportError(
+            "--format specforge needs --teacher MODEL_DIR: SpecForge's hidden_state is the last layer "
+            "after the teacher's final norm, whose weight and eps are read from the teacher folder"
+        )
+    return files
+
+
+def _open_source(
+    fmt: str,
+    spool: Path,
+    out: Path,
+    teacher: str | None,
+    aux_layers: list[int] | None,
+    layer_ids: list[int] | None,
+) -> _Source:
+    """Check the arguments, the teacher and the first spool file; plan the layers."""
+    files = _check_args(fmt, spool, out, teacher)
+    info = teacher_info(teacher) if teacher else None
+    norm = load_final_norm(info) if fmt == "specforge" else None
+
+    first = _read(files[0])
+    layers = list(layer_ids) if layer_ids else list(first.layers)
+    if layer_ids and first.layers and list(first.layers) != list(layer_ids):
+        raise ExportError(f"--layer-ids {layer_ids} disagree with the files' own layer ids {first.layers}")
+    plan = plan_layers(layers, info.num_layers if info else None, aux_layers, fmt)
+    hs0 = first.tensors["hidden_states"]
+    hidden, dtype = int(hs0.shape[-1]), hs0.dtype
+    if info and hidden != info.hidden_size:
+        raise ExportError(
+            f"the spool's hidden size is {hidden} but the teacher {info.path} has hidden_size "
+            f"{info.hidden_size}: not this teacher's spool"
+        )
+    return _Source(spool, files, first, plan, hidden, dtype, info, norm)
+
+
+def _checked_tensors(src: _Source, path: Path, s: Sample) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One spool file's hidden states and token ids checked against the first file's; the token
+    ids (int64) and its loss mask (None when the file has none)."""
+    layers = src.plan.layers
+    hs = s.tensors["hidden_states"]
+    ids = s.tensors.get("token_ids")
+    file_layers = list(s.layers) if s.layers else layers
+    if file_layers != layers:
+        raise ExportError(
+            f"mixed layers: {path} holds layers {file_layers}, {src.files[0]} holds {layers}: "
+            "export one teacher run's spool at a time"
+        )
+    if hs.dim() != 3 or hs.shape[1] != len(layers) or hs.shape[2] != src.hidden or hs.dtype != src.dtype:
+        raise ExportError(
+            f"{path}: hidden_states {list(hs.shape)} {hs.dtype} does not match the other files' "
+            f"[num_tokens, {len(layers)}, {src.hidden}] {src.dtype}"
+        )
+    if ids is None or ids.dim() != 1 or ids.shape[0] != hs.shape[0]:
+        raise ExportError(f"{path}: token_ids missing or not [{hs.shape[0]}] (one per hidden state)")
+    return ids.to(torch.long), s.tensors.get("loss_mask")
+
+
+def _loss_mask(path: Path, ids: torch.Tensor, mask: torch.Tensor | None, tally: _Tally) -> torch.Tensor:
+    """The file's loss mask as int64 0/1 (all ones, counted, for a file without one)."""
+    if mask is None:
+        tally.no_mask += 1
+        return torch.ones(ids.shape[0], dtype=torch.long)
+    if mask.dim() != 1 or mask.shape[0] != ids.shape[0]:
+        raise ExportError(f"{path}: loss_mask {list(mask.shape)} is not [{ids.shape[0]}]")
+    return (mask != 0).to(torch.long)
+
+
+def _convert(src: _Source, writer, tally: _Tally, log, progress_every_s: float, t0: float) -> None:
+    """Read, check and write every spool file (all-zero masks left out), with progress lines."""
+    files = src.files
+    last_report = time.monotonic()
+    for i, path in enumerate(files):
+        s = src.first if i == 0 else _read(path)
+        ids, mask = _checked_tensors(src, path, s)
+        mask = _loss_mask(path, ids, mask, tally)
+        n_masked = int(mask.sum())
+        if n_masked == 0:
+            tally.unsupervised += 1
+            continue
+        row = len(tally.keys)
+        writer.add(row, path, s, ids, mask)
+        tally.keys.append(s.key)
+        uniq, counts = ids[mask.bool()].unique(return_counts=True)
+        tally.token_freq.update(dict(zip(uniq.tolist(), counts.tolist(), strict=True)))
+        tally.tokens += int(ids.numel())
+        tally.masked += n_masked
+        hs = s.tensors["hidden_states"]
+        tally.nbytes += hs.numel() * hs.element_size()
+        now = time.monotonic()
+        if now - last_report >= progress_every_s:
+            last_report = now
+            rate = (i + 1) / max(now - t0, 1e-9)
+            log(
+                f"{i + 1}/{len(files)} samples, {_fmt_bytes(tally.nbytes)} of hidden states, "
+                f"{rate:.0f} samples/s, about {(len(files) - i - 1) / rate:.0f} s left"
+            )
+    if not tally.keys:
+        raise ExportError(
+            f"every one of the {len(files)} samples has an all-zero loss_mask: nothing to train on"
+        )
+
+
+def _manifest(fmt: str, src: _Source, teacher: str | None, tally: _Tally, writer, flags: str) -> dict:
+    plan = src.plan
+    return {
+        "format": fmt,
+        "spool": str(src.spool.resolve()),
+        "teacher": str(Path(teacher).resolve()) if teacher else None,
+        "layers": plan.layers,
+        "aux_layers": plan.aux,
+        "last_layer": plan.last,
+        "hidden_size": src.hidden,
+        "dtype": str(src.dtype).replace("torch.", ""),
+        "samples": len(tally.keys),
+        "tokens": tally.tokens,
+        "loss_tokens": tally.masked,
+        "loss_mask": "from the spool"
+        if not tally.no_mask
+        else f"all ones for {tally.no_mask} file(s) without one",
+        "skipped_all_zero_loss_mask": tally.unsupervised,
+        "rows": f"row i is line i of {KEYS_FILE}",
+        "written": writer.summary(),
+        "trainer": flags,
+    }
+
+
+def _work_dir(out: Path) -> Path:
+    """The sibling folder the export is built in (renamed to `out` at the end)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    work.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; --out is an ordinary folder
+    return work
+
+
+def _after_notes(log, fmt: str, src: _Source, tally: _Tally) -> None:
+    """The warning about files without a loss mask, and SpecForge's need of an index json."""
+    info = src.info
+    if tally.no_mask:
+        log(
+            f"warning: {tally.no_mask} of {len(src.files)} spool files carry no loss_mask "
+            "(written before the teacher sent one): exported with a mask of all ones, so the trainer also trains on prompt tokens"
+        )
+    if fmt == "specforge" and info and not list(Path(info.path).glob("*.safetensors.index.json")):
+        log(
+            f"note: SpecForge 0.2.0 loads the teacher's lm_head only through a *.safetensors.index.json "
+            f"(specforge/modeling/target/target_head.py) and {info.path} has none: add one "
+            '({"weight_map": {"lm_head.weight": "model.safetensors", ...}}) before training'
+        )
 
 
 def export(
@@ -443,124 +331,20 @@ def export(
     t0 = time.monotonic()
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {FORMATS}, got {fmt!r}")
-    spool = Path(spool)
     out = Path(out)
-    if not spool.is_dir():
-        raise ExportError(f"--spool {str(spool)!r} is not a folder")
-    files = list_spool(spool)
-    if not files:
-        raise ExportError(
-            f"--spool {str(spool)!r} holds no *.safetensors spool files: run the teacher first "
-            "(teacher.after_generation: exit keeps every sample there)"
-        )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"--out {str(out)!r} exists and is not an empty folder: choose a new one")
-    if fmt == "specforge" and not teacher:
-        raise ExportError(
-            "--format specforge needs --teacher MODEL_DIR: SpecForge's hidden_state is the last layer "
-            "after the teacher's final norm, whose weight and eps are read from the teacher folder"
-        )
-    info = teacher_info(teacher) if teacher else None
-    norm = load_final_norm(info) if fmt == "specforge" else None
-
-    first = _read(files[0])
-    layers = list(layer_ids) if layer_ids else list(first.layers)
-    if layer_ids and first.layers and list(first.layers) != list(layer_ids):
-        raise ExportError(f"--layer-ids {layer_ids} disagree with the files' own layer ids {first.layers}")
-    plan = plan_layers(layers, info.num_layers if info else None, aux_layers, fmt)
-    hs0 = first.tensors["hidden_states"]
-    hidden, dtype = int(hs0.shape[-1]), hs0.dtype
-    if info and hidden != info.hidden_size:
-        raise ExportError(
-            f"the spool's hidden size is {hidden} but the teacher {info.path} has hidden_size "
-            f"{info.hidden_size}: not this teacher's spool"
-        )
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; --out is an ordinary folder
-    writer = _SpeculatorsWriter(work, plan) if fmt == "speculators" else _SpecForgeWriter(work, plan, norm)
-    token_freq: Counter = Counter()
-    keys: list[str] = []
-    tokens = masked = no_mask = unsupervised = 0
-    nbytes = 0
-    last_report = time.monotonic()
+    src = _open_source(fmt, Path(spool), out, teacher, aux_layers, layer_ids)
+    plan, info = src.plan, src.info
+    work = _work_dir(out)
+    writer = SpeculatorsWriter(work, plan) if fmt == "speculators" else SpecForgeWriter(work, plan, src.norm)
+    tally = _Tally()
     try:
-        for i, path in enumerate(files):
-            s = first if i == 0 else _read(path)
-            hs = s.tensors["hidden_states"]
-            ids = s.tensors.get("token_ids")
-            file_layers = list(s.layers) if s.layers else layers
-            if file_layers != layers:
-                raise ExportError(
-                    f"mixed layers: {path} holds layers {file_layers}, {files[0]} holds {layers}: "
-                    "export one teacher run's spool at a time"
-                )
-            if hs.dim() != 3 or hs.shape[1] != len(layers) or hs.shape[2] != hidden or hs.dtype != dtype:
-                raise ExportError(
-                    f"{path}: hidden_states {list(hs.shape)} {hs.dtype} does not match the other files' "
-                    f"[num_tokens, {len(layers)}, {hidden}] {dtype}"
-                )
-            if ids is None or ids.dim() != 1 or ids.shape[0] != hs.shape[0]:
-                raise ExportError(f"{path}: token_ids missing or not [{hs.shape[0]}] (one per hidden state)")
-            ids = ids.to(torch.long)
-            mask = s.tensors.get("loss_mask")
-            if mask is None:
-                no_mask += 1
-                mask = torch.ones(ids.shape[0], dtype=torch.long)
-            else:
-                if mask.dim() != 1 or mask.shape[0] != ids.shape[0]:
-                    raise ExportError(f"{path}: loss_mask {list(mask.shape)} is not [{ids.shape[0]}]")
-                mask = (mask != 0).to(torch.long)
-            n_masked = int(mask.sum())
-            if n_masked == 0:
-                unsupervised += 1
-                continue
-            row = len(keys)
-            writer.add(row, path, s, ids, mask)
-            keys.append(s.key)
-            uniq, counts = ids[mask.bool()].unique(return_counts=True)
-            token_freq.update(dict(zip(uniq.tolist(), counts.tolist(), strict=True)))
-            tokens += int(ids.numel())
-            masked += n_masked
-            nbytes += hs.numel() * hs.element_size()
-            now = time.monotonic()
-            if now - last_report >= progress_every_s:
-                last_report = now
-                rate = (i + 1) / max(now - t0, 1e-9)
-                log(
-                    f"{i + 1}/{len(files)} samples, {_fmt_bytes(nbytes)} of hidden states, "
-                    f"{rate:.0f} samples/s, about {(len(files) - i - 1) / rate:.0f} s left"
-                )
-        if not keys:
-            raise ExportError(
-                f"every one of the {len(files)} samples has an all-zero loss_mask: nothing to train on"
-            )
-        writer.finish(token_freq)
-        (work / KEYS_FILE).write_text("".join(f"{k}\n" for k in keys))
+        _convert(src, writer, tally, log, progress_every_s, t0)
+        writer.finish(tally.token_freq)
+        (work / KEYS_FILE).write_text("".join(f"{k}\n" for k in tally.keys))
         flags = trainer_flags(fmt, out, plan, info, draft_vocab_size)
         if fmt == "specforge":
-            (work / SPECFORGE_RUN).write_text(_specforge_yaml(out, plan, info))
-        manifest = {
-            "format": fmt,
-            "spool": str(spool.resolve()),
-            "teacher": str(Path(teacher).resolve()) if teacher else None,
-            "layers": plan.layers,
-            "aux_layers": plan.aux,
-            "last_layer": plan.last,
-            "hidden_size": hidden,
-            "dtype": str(dtype).replace("torch.", ""),
-            "samples": len(keys),
-            "tokens": tokens,
-            "loss_tokens": masked,
-            "loss_mask": "from the spool" if not no_mask else f"all ones for {no_mask} file(s) without one",
-            "skipped_all_zero_loss_mask": unsupervised,
-            "rows": f"row i is line i of {KEYS_FILE}",
-            "written": writer.summary(),
-            "trainer": flags,
-        }
+            (work / SPECFORGE_RUN).write_text(specforge_yaml(out, plan, info))
+        manifest = _manifest(fmt, src, teacher, tally, writer, flags)
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -569,26 +353,16 @@ def export(
         writer.abort()
         shutil.rmtree(work, ignore_errors=True)
         raise
-    if no_mask:
-        log(
-            f"warning: {no_mask} of {len(files)} spool files carry no loss_mask (written before the teacher "
-            "sent one): exported with a mask of all ones, so the trainer also trains on prompt tokens"
-        )
-    if fmt == "specforge" and info and not list(Path(info.path).glob("*.safetensors.index.json")):
-        log(
-            f"note: SpecForge 0.2.0 loads the teacher's lm_head only through a *.safetensors.index.json "
-            f"(specforge/modeling/target/target_head.py) and {info.path} has none: add one "
-            '({"weight_map": {"lm_head.weight": "model.safetensors", ...}}) before training'
-        )
+    _after_notes(log, fmt, src, tally)
     return ExportResult(
         out=out,
         fmt=fmt,
         plan=plan,
-        samples=len(keys),
-        tokens=tokens,
-        masked_tokens=masked,
-        no_mask_files=no_mask,
-        skipped_unsupervised=unsupervised,
+        samples=len(tally.keys),
+        tokens=tally.tokens,
+        masked_tokens=tally.masked,
+        no_mask_files=tally.no_mask,
+        skipped_unsupervised=tally.unsupervised,
         detail=writer.summary(),
         flags=flags,
         seconds=time.monotonic() - t0,
@@ -600,44 +374,12 @@ def export(
 # ---------------------------------------------------------------------------------------------
 
 
-def _specforge_yaml(out: Path, plan: LayerPlan, info: TeacherInfo | None) -> str:
-    import yaml
-
-    model: dict = {
-        "target_model_path": str(Path(info.path).resolve()) if info else "<teacher model folder>",
-        # SpecForge numbers the captured layers from the first decoder layer (SGLang captures
-        # before layer i + 1): ours minus one.
-        "aux_hidden_state_layer_ids": [x - 1 for x in plan.aux],
-    }
-    if info and info.tied_embeddings:
-        model["lm_head_key"] = "model.embed_tokens.weight"  # tied: there is no lm_head.weight
-    cfg = {
-        "model": model,
-        "data": {"hidden_states_path": str(out.resolve())},
-        "training": {"strategy": "eagle3"},
-    }
-    head = (
-        "# SpecForge 0.2.0 run file written by distill-export (offline EAGLE-3 from a distill-stream spool).\n"
-        f"# aux_hidden_state_layer_ids are SpecForge's numbering (ours {plan.aux} minus one); the last layer\n"
-        f"# ({plan.last}) is stored post-norm as hidden_state. Add training/output settings as needed.\n"
-    )
-    return head + yaml.safe_dump(cfg, sort_keys=False)
-
-
 def trainer_flags(
     fmt: str, out: Path, plan: LayerPlan, info: TeacherInfo | None, draft_vocab_size: int | None
 ) -> str:
     """The command line that trains an EAGLE-3 draft on the export, for `fmt`'s trainer."""
     if fmt == "speculators":
-        verifier = str(Path(info.path).resolve()) if info else "<teacher model folder>"
-        vocab = draft_vocab_size or (
-            min(DEFAULT_DRAFT_VOCAB, info.vocab_size) if info and info.vocab_size else DEFAULT_DRAFT_VOCAB
-        )
-        return (
-            f"speculators train --speculator-type eagle3 --verifier-name-or-path {verifier} "
-            f"--data-path {out.resolve()} --target-layer-ids {' '.join(map(str, plan.aux))} "
-            f"--draft-vocab-size {vocab} --on-missing raise"
-        )
+        return speculators_command(out, plan, info, draft_vocab_size)
     return f"specforge train --config {(out / SPECFORGE_RUN).resolve()}"
 
 
