@@ -18,50 +18,25 @@ import queue
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import zmq
 
 from distill import protocol as P
 from distill.config import TransportConfig
-from distill.iothread import RateLimitedLog, TeacherGone, TransportError, Wake, tune_malloc
+from distill.iothread import RateLimitedLog, TransportError, Wake, tune_malloc
 from distill.protocol import ProtocolError, Sample
+from distill.security import dealer_socket
 from distill.shm import ShmReader
+from distill.subscriber_sessions import _END, TeacherSessions, _Teacher
 
 log = logging.getLogger("distill.transport")
 
 _VERSION_ERRORS_FATAL = 10  # that many in a row from a known teacher: it was replaced by another version
-_SILENT_LOG_EVERY_S = 10.0
-_END = object()
 _COMMIT = object()
 
 
-@dataclass
-class _Teacher:
-    endpoint: str
-    sock: zmq.Socket
-    tid: str | None = None
-    ring: str | None = None  # the shared-memory ring of the current session
-    welcomed: bool = False
-    hello_pending: bool = False  # a HELLO went out and no WELCOME came yet
-    hellos_out: int = 0  # HELLOs not answered yet (a keepalive HELLO and a RESET's may overlap)
-    draining: bool = False
-    ended: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
-    last_hello: float = 0.0
-    silent_logged: float = 0.0
-    ever_welcomed: bool = False  # a valid WELCOME came once: this teacher speaks our version
-    version_errors: int = 0  # messages in a row that carried another protocol version
-    uncommitted: dict[str, None] = field(default_factory=dict)  # acked here, no checkpoint yet
-    commit_out: list[str] = field(default_factory=list)  # committed, not yet told this endpoint
-    # Messages that must arrive (ACK, COMMIT, CREDIT, ACKED) and could not be sent without
-    # blocking: sent first, in order, on the next turns of the I/O loop. (kind, bytes)
-    outbox: collections.deque = field(default_factory=collections.deque)
-
-
-class Subscriber:
+class Subscriber(TeacherSessions):
     """Student side of the transport. See distill/API.md for the contract."""
 
     def __init__(
@@ -101,41 +76,8 @@ class Subscriber:
     def start(self) -> Subscriber:
         if self.cfg.tune_malloc:
             tune_malloc()
-        ctx = zmq.Context.instance()
         for ep in self.cfg.connect:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, f"{self.name}-{uuid.uuid4().hex[:8]}".encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
-            # A link that was down longer than the heartbeat timeout leaves a TCP connection that
-            # retransmits with a backoff of up to minutes: ZeroMQ's own heartbeats drop it after
-            # heartbeat_timeout_s of silence, and short connect timeouts make the reconnect
-            # succeed soon after the link is back.
-            hb_ms = max(1, int(self.cfg.heartbeat_interval_s * 1000))
-            to_ms = max(hb_ms, int(self.cfg.heartbeat_timeout_s * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, to_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TTL, to_ms)
-            sock.setsockopt(zmq.CONNECT_TIMEOUT, to_ms)
-            # Reconnect attempts at least every second: a teacher that rebinds its endpoint (the
-            # serving Publisher after the engine's) is found within ~1 s, not after a backoff of up
-            # to heartbeat_timeout_s, by which time a teacher with nothing left to serve has left.
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(hb_ms, 1000))
-            if self.cfg.socket_buffer_bytes:
-                sock.setsockopt(zmq.SNDBUF, self.cfg.socket_buffer_bytes)
-                sock.setsockopt(zmq.RCVBUF, self.cfg.socket_buffer_bytes)
-            if self.cfg.curve is not None:
-                try:
-                    curve_client(sock, self.cfg.curve)
-                except (OSError, ValueError) as e:
-                    sock.close(0)
-                    raise TransportError(f"transport.curve: {e}") from None
-            try:
-                sock.connect(ep)
-            except zmq.ZMQError as e:
-                raise TransportError(f"cannot connect to teacher endpoint {ep!r}: {e}") from None
+            sock = dealer_socket(self.cfg, self.name, ep)
             self._teachers.append(_Teacher(ep, sock))
         self._thread = threading.Thread(target=self._run, name="distill-subscriber", daemon=True)
         self._thread.start()
@@ -353,38 +295,6 @@ class Subscriber:
             self._error = TransportError(f"subscriber I/O thread failed: {e!r}")
             self._started.set()
 
-    def _keepalive(self, t: _Teacher, now: float) -> None:
-        """Heartbeat; notice a silent teacher, say so, look for a restarted one, give up in the end."""
-        silent = now - t.last_seen
-        if silent > self.cfg.heartbeat_timeout_s:
-            if t.welcomed:
-                t.welcomed = False  # samples from it stop; HELLO again below
-                log.warning(
-                    "teacher %s silent for %.0f s (heartbeat_timeout_s=%.0f); waiting for it up to "
-                    "transport.teacher_wait_s=%.0f s",
-                    t.endpoint,
-                    silent,
-                    self.cfg.heartbeat_timeout_s,
-                    self.cfg.teacher_wait_s,
-                )
-                t.silent_logged = now
-            elif now - t.silent_logged >= _SILENT_LOG_EVERY_S:
-                t.silent_logged = now
-                log.warning(
-                    "no word from teacher %s for %.0f s; %d samples trained here so far; waiting up to %.0f s",
-                    t.endpoint,
-                    silent,
-                    self._counters["acked"],
-                    self.cfg.teacher_wait_s,
-                )
-            if silent > self.cfg.teacher_wait_s and self._error is None:
-                self._error = TeacherGone(
-                    f"no word from teacher {t.endpoint} for {silent:.0f} s (transport.teacher_wait_s)"
-                )
-        if not t.welcomed and now - t.last_hello > self.cfg.heartbeat_timeout_s:
-            self._hello(t)  # the teacher may have restarted or not be up yet
-        self._send(t, P.HEARTBEAT, P.encode_control(P.HEARTBEAT, name=self.name))
-
     def _send_acks(self) -> None:
         with self._lock:
             ops = list(self._acks)
@@ -458,85 +368,12 @@ class Subscriber:
     def _handle(self, t: _Teacher, h: dict, frames: list) -> None:
         kind = h["k"]
         if kind == P.SAMPLE:
-            if not t.welcomed:
-                raise ProtocolError("kind", "sample before WELCOME")
-            if h.get("tid") != t.tid:
-                raise ProtocolError("foreign", f"sample of teacher {h.get('tid')!r}, talking to {t.tid!r}")
-            s = P.decode_sample(h, frames, self._shm.resolve)
-            t.last_seen = time.monotonic()
-            t.draining = False
-            self._counters["received"] += 1
-            self._counters["bytes_received"] += s.nbytes
-            if "shm" in h:
-                self._counters["shm_samples"] += 1
-            with self._lock:
-                if s.key in self._held:
-                    # A redelivered copy of a sample the consumer holds: acked together with it
-                    # (never on its behalf while it is held), or handed over if it is discarded.
-                    self._held[s.key].append(s)
-                    self._counters["held_copies"] += 1
-                    return
-                ledger = s.key in self._skip
-                dup = ledger or s.key in self._consumed
-                if not dup:
-                    self._held[s.key] = []
-            if dup:
-                # Already trained (ledger: a checkpoint covers it, so it is committed too) or
-                # consumed here: ack this copy at once, never train a sample twice.
-                self._counters["skipped_duplicates"] += 1
-                commit = ledger or self.commit_on_ack
-                if not commit:
-                    t.uncommitted[s.key] = None
-                    with self._lock:
-                        self._uncommitted += 1  # the next commit() covers this ack too
-                self._send(t, P.ACK, P.encode_control(P.ACK, tid=s.teacher, seqs=[s.seq], commit=commit))
-                return
-            self._q.put(s)
+            self._on_sample(t, h, frames)
             return
         h = P.decode_control(h)
         if kind == P.WELCOME:
-            if not t.hello_pending:
-                if t.hellos_out > 0 and h["tid"] == t.tid:
-                    # The answer to an earlier HELLO of this session (two HELLOs crossed, e.g. a
-                    # keepalive one and a RESET's): the first answer already set the session up.
-                    t.hellos_out -= 1
-                    self._counters["extra_welcomes"] += 1
-                    return
-                raise ProtocolError("foreign", "WELCOME without a HELLO")
-            t.hellos_out = max(0, t.hellos_out - 1)
-            t.last_seen = time.monotonic()
-            if h["run"] is not None and self.run_id is not None and h["run"] != self.run_id:
-                self._error = TransportError(
-                    f"teacher at {t.endpoint} serves run {h['run']!r}; this student belongs to run "
-                    f"{self.run_id!r} (a student of another run: start it with the run file of this run)"
-                )
-                return
-            if self.run_id is None:
-                self.run_id = h["run"]
-            tid = h["tid"]
-            t.tid = tid
-            self._by_tid[tid] = t
-            shm_ok = False
-            shm = h["shm"]
-            if self.cfg.shm != "off" and shm is not None:
-                shm_ok = self._shm.attach(shm[0], shm[1])
-            t.ring = shm[0] if shm_ok else None
-            if self.cfg.shm == "on" and not shm_ok:
-                self._error = TransportError(
-                    f"transport.shm is 'on' but the ring of teacher {t.endpoint} cannot be mapped"
-                )
-            t.welcomed = t.ever_welcomed = True
-            t.hello_pending = False
-            t.draining = t.ended = False
-            self._send(t, P.CREDIT, P.encode_control(P.CREDIT, shm_ok=shm_ok))
-            # A new session (perhaps a restarted teacher): what this side acked and no checkpoint
-            # covers yet belongs to this session now; what was committed meanwhile is told.
-            keys = list(t.uncommitted)
-            for i in range(0, len(keys), P.MAX_KEYS_PER_MESSAGE):
-                self._send(t, P.ACKED, P.encode_control(P.ACKED, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
-            self._send_commits(t)
-            return
-        if kind == P.REFUSE:
+            self._on_welcome(t, h)
+        elif kind == P.REFUSE:
             versions = (
                 f" (teacher protocol version {h['version']}, ours {P.PROTOCOL_VERSION})"
                 if h["version"] != P.PROTOCOL_VERSION
@@ -545,38 +382,8 @@ class Subscriber:
             self._error = TransportError(
                 f"teacher at {t.endpoint} refused this student: {h['reason']}{versions}"
             )
-            return
-        if kind == P.RESET:
+        elif kind == P.RESET:
             t.last_seen = time.monotonic()
             self._hello(t)  # the teacher (perhaps a new incarnation) does not know this session
-            return
-        if t.tid is None or h.get("tid", t.tid) != t.tid:
-            raise ProtocolError(
-                "foreign", f"{P.KIND_NAMES[kind]} from teacher {h.get('tid')!r}, talking to {t.tid!r}"
-            )
-        t.last_seen = time.monotonic()
-        if kind == P.HEARTBEAT:
-            pass
-        elif kind == P.DRAIN:
-            t.draining = True
-        elif kind == P.END:
-            t.ended = True
-            if all(x.ended for x in self._teachers):
-                self._q.put(_END)
         else:
-            raise ProtocolError("kind", f"teachers do not send kind {kind}")
-
-
-def curve_client(sock: zmq.Socket, curve) -> None:
-    """Make `sock` a CURVE client of the teacher whose public key is in `curve.server_key`."""
-    import zmq.auth
-
-    if not curve.server_key:
-        raise ValueError("students need curve.server_key (the teacher's public .key file)")
-    server_public, _ = zmq.auth.load_certificate(curve.server_key)
-    public, secret = zmq.auth.load_certificate(curve.secret_key)
-    if secret is None:
-        raise ValueError(f"{curve.secret_key!r} holds no secret key (use the .key_secret file)")
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_serverkey = server_public
+            self._on_session_control(t, kind, h)
