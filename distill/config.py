@@ -202,3 +202,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     k, v = text.split("=", 1)
     return k.strip(), yaml.safe_load(v)
+
+
+def eagle3_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's layers for an n-layer teacher: [2, n//2, n-3] (low, middle and high auxiliary
+    states) and n (the last layer, before the final norm). The one definition of `layer_ids: eagle3`:
+    the teacher's config (which also refuses n < 7), the export and the draft recipe use it."""
+    n = num_layers
+    return [2, n // 2, n - 3, n]

@@ -135,6 +135,23 @@ def _config(arch: str, **kw):
     raise ValueError(f"unknown tiny architecture {arch!r}: use 'qwen3' or 'llama'")
 
 
+def _random_model(config, seed: int, dtype: torch.dtype):
+    """The model of `config` with seeded N(0, INIT_STD) weights (RMSNorm weights 1), in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)  # RMSNorm weights stay 1: random norms would only rescale noise
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * INIT_STD)
+    return model.to(dtype)
+
+
 def build_tiny_model(
     path: str | os.PathLike,
     *,
@@ -161,7 +178,7 @@ def build_tiny_model(
     Returns:
         The folder, loadable by `transformers.AutoModelForCausalLM.from_pretrained` and `vllm.LLM`.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     path = Path(path)
     params = _params(
@@ -196,18 +213,7 @@ def build_tiny_model(
     )
     config.architectures = [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
 
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)  # RMSNorm weights stay 1: random norms would only rescale noise
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * INIT_STD)
-    model = model.to(dtype)
-
+    model = _random_model(config, seed, dtype)
     # Write into a temporary sibling and rename, so an interrupted build never looks complete.
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -56,6 +56,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from distill.config import eagle3_layer_ids
 from student.config import StudentConfig
 from student.data import StudentError
 from student.model import TeacherHead, _checkpoint_tensors
@@ -79,11 +80,6 @@ def export_dtype(cfg: StudentConfig) -> torch.dtype:
         name = conf.get("dtype") or conf.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name), None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
-def eagle3_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default teacher layers for an n-layer teacher: [2, n//2, n-3] plus the last, n."""
-    return [2, num_layers // 2, num_layers - 3, num_layers]
 
 
 def aux_layer_ids(cfg: StudentConfig, num_layers: int) -> list[int]:

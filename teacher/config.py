@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from distill.config import ConfigError, SpoolConfig, Strict, TransportConfig, load_yaml, validate
+from distill.config import eagle3_layer_ids as _eagle3_formula
 
 
 def extraction_engine_args(
@@ -292,7 +293,7 @@ def eagle3_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's layers for an n-layer model: [2, n//2, n-3] (low, middle, high aux layers) and n
     (the last layer, before the final norm). Needs n >= 7 for four distinct ascending ids."""
     n = num_layers
-    ids = [2, n // 2, n - 3, n]
+    ids = _eagle3_formula(n)
     if ids != sorted(set(ids)):
         raise ConfigError(
             f"teacher.layer_ids: eagle3 means [2, n//2, n-3, n], which needs num_hidden_layers >= 7; "

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from distill.config import ConfigError
+from distill.config import ConfigError, eagle3_layer_ids
 
 # The final norm's weight in common checkpoints (text models, then multimodal wrappers).
 _NORM_KEYS = (
@@ -29,12 +29,6 @@ _NORM_KEYS = (
 
 class ExportError(ValueError):
     """Input the export cannot use; the message is one line that says what to do."""
-
-
-def eagle3_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's choice for an n-layer teacher: [2, n//2, n-3] plus the last layer n."""
-    n = num_layers
-    return [2, n // 2, n - 3, n]
 
 
 # ---------------------------------------------------------------------------------------------
