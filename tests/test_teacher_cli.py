@@ -566,9 +566,11 @@ def test_engine_killed_mid_run_exits_1_and_never_sends_end(assets, tmp_path):
     pytest.importorskip("vllm")
     _, model, _ = assets
     data = write_tiny_dataset(tmp_path / "d.jsonl", 64, seed=13)
-    cfg = _config(tmp_path, model, data, window=1, student_wait_s=60)
-    # A slow student and small memory and spool limits pace generation (the producer waits), so the
-    # engine is still generating when it is killed: the tiny model alone finishes in a second or two.
+    # 256 generated tokens per row, one request at a time: generation takes far longer than the
+    # first three commits, so the engine is killed while it generates (prefill alone finished all
+    # 64 rows in 0.6 s under CI, before the kill: the kill then hit the engine's shutdown).
+    cfg = _config(tmp_path, model, data, window=1, student_wait_s=60, max_tokens=256)
+    # A slow student and small memory and spool limits pace the producer too.
     run = yaml.safe_load(cfg.read_text())
     run["transport"]["max_buffer_bytes"] = 64 << 10
     run["spool"]["max_bytes"] = 64 << 10
