@@ -706,6 +706,31 @@ def hosts(netns_hosts):
     return netns_hosts(["t", "s0", "s1"])
 
 
+def _start_two_student_hosts(procs, hosts, tiny_teacher, data, run, *, master_port_offset: int):
+    """The synthetic teacher on host t (8 samples/s) and one accelerate job of 2 ranks on hosts s0
+    and s1 (--num_machines 2, --main_process_ip = s0's address; gloo over eth0), each host with a
+    /dev/shm of its own so every frame travels over tcp. Returns (teacher, [job on s0, job on s1])."""
+    teacher = start_synthetic(
+        procs, "teacher", tiny_teacher, data, run, "--rate", "8", prefix=hosts.prefix("t", True)
+    )
+    master_port = str(20000 + (os.getpid() + master_port_offset) % 20000)
+    jobs = []
+    for r, host in enumerate(["s0", "s1"]):
+        launch = ["--num_machines", "2", "--machine_rank", str(r), "--main_process_ip", hosts.addr["s0"]]
+        launch += ["--main_process_port", master_port]
+        jobs.append(
+            start_students(
+                procs,
+                f"students-{host}",
+                run,
+                launch=launch,
+                prefix=hosts.prefix(host, True),
+                env={"GLOO_SOCKET_IFNAME": "eth0"},
+            )
+        )
+    return teacher, jobs
+
+
 def _link_row(row, procs, hosts, tmp, tiny_teacher, texts, *, down_s: float, n: int):
     """Teacher on host t, one accelerate job of 2 ranks on hosts s0 and s1 (--num_machines 2,
     --machine_rank, --main_process_ip = s0's address; gloo over eth0), each host with a /dev/shm of
@@ -722,24 +747,7 @@ def _link_row(row, procs, hosts, tmp, tiny_teacher, texts, *, down_s: float, n: 
         transport={"credit_samples": 256, "shm_dir": "/dev/shm", "teacher_wait_s": 300},
     )
     t0 = time.monotonic()
-    teacher = start_synthetic(
-        procs, "teacher", tiny_teacher, data, run, "--rate", "8", prefix=hosts.prefix("t", True)
-    )
-    master_port = str(20000 + os.getpid() % 20000)
-    jobs = []
-    for r, host in enumerate(["s0", "s1"]):
-        launch = ["--num_machines", "2", "--machine_rank", str(r), "--main_process_ip", hosts.addr["s0"]]
-        launch += ["--main_process_port", master_port]
-        jobs.append(
-            start_students(
-                procs,
-                f"students-{host}",
-                run,
-                launch=launch,
-                prefix=hosts.prefix(host, True),
-                env={"GLOO_SOCKET_IFNAME": "eth0"},
-            )
-        )
+    teacher, jobs = _start_two_student_hosts(procs, hosts, tiny_teacher, data, run, master_port_offset=0)
     wait_until(
         lambda: len(committed(run)) >= 24, 300, "24 samples trained", check=alive_or_fail(teacher, *jobs)
     )
@@ -802,24 +810,7 @@ def test_one_host_cut_off_from_the_teacher_until_it_leaves(procs, hosts, tmp_pat
         },
     )
     t0 = time.monotonic()
-    teacher = start_synthetic(
-        procs, "teacher", tiny_teacher, data, run, "--rate", "8", prefix=hosts.prefix("t", True)
-    )
-    master_port = str(20000 + (os.getpid() + 7) % 20000)
-    jobs = []
-    for r, host in enumerate(["s0", "s1"]):
-        launch = ["--num_machines", "2", "--machine_rank", str(r), "--main_process_ip", hosts.addr["s0"]]
-        launch += ["--main_process_port", master_port]
-        jobs.append(
-            start_students(
-                procs,
-                f"students-{host}",
-                run,
-                launch=launch,
-                prefix=hosts.prefix(host, True),
-                env={"GLOO_SOCKET_IFNAME": "eth0"},
-            )
-        )
+    teacher, jobs = _start_two_student_hosts(procs, hosts, tiny_teacher, data, run, master_port_offset=7)
     wait_until(
         lambda: len(committed(run)) >= 16, 300, "16 samples trained", check=alive_or_fail(teacher, *jobs)
     )
