@@ -75,10 +75,11 @@ class TransportConfig(Strict):
     shm_dir: str = "/dev/shm"
     # Payload checksum: computed once per sample by the producer (connector sender thread), carried
     # in the header and the spool file, verified by every receiver (mismatch: rejected, counted,
-    # sent again). zlib's CRC32 runs at ~4 GB/s per core here; on an H200 teacher streaming ~1.2 GB/s
-    # it cost 30% of the generation rate (BENCHMARKS.md): `none` for throughput runs (ring-slot
-    # stamps still catch stale shared memory; spool files always carry a CRC).
-    checksum: Literal["none", "crc32"] = "crc32"
+    # sent again). xxh3: xxh3-64 (~25 GB/s on one core, releases the GIL), the default. crc32:
+    # zlib's CRC32 (~1.5 GB/s on one core; on an H200 teacher streaming ~1.2 GB/s of hidden states
+    # it cost 30% of the generation rate, BENCHMARKS.md). none: no payload digest on the wire
+    # (ring-slot stamps still catch stale shared memory; spool files always carry a digest).
+    checksum: Literal["none", "crc32", "xxh3"] = "xxh3"
     # Student side: raise glibc's mmap/trim thresholds so large received frames reuse warm heap
     # memory instead of a fresh mmap per sample (distill.transport.tune_malloc).
     tune_malloc: bool = True

@@ -16,7 +16,12 @@ Sample header keys::
     layers  teacher layer ids carried in `hidden_states` (list[int])
     t       tensors: list of [name, dtype, shape, frame_index]
     meta    small metadata map (str -> msgpack scalar / list / map)
-    crc     optional CRC32 of the tensor bytes, in tensor order
+    crc     optional CRC32 of the tensor bytes, in tensor order (zlib.crc32, unsigned 32-bit)
+    x3      optional xxh3-64 of the tensor bytes, in tensor order (seed 0, unsigned 64-bit int;
+            `transport.checksum: xxh3`, the default). Added without a version bump: a receiver
+            that predates it ignores it (decode reads only the keys it knows), so it just goes
+            unchecked there. A header may carry `crc`, `x3`, both or neither; every one present
+            is verified (mismatch: ProtocolError("checksum"))
     shm     optional shared-memory reference: [segment_name, [offset, ...], stamp_offset, stamp]
             (one offset per tensor; the slot's stamp word holds `stamp` while the slot is this
             sample's: the receiver checks it after copying, see `Sample.stamp`)
@@ -38,12 +43,15 @@ from typing import Any
 
 import msgpack
 import torch
+import xxhash
 
 PROTOCOL_VERSION = 2  # 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a header is metadata, never data
 MAX_NDIM = 8
 MAX_TENSORS = 64
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: anything declared larger is absurd
+# Payload checksums a producer can attach (`transport.checksum`): crc32 -> header key `crc`, xxh3 -> `x3`.
+CHECKSUMS = ("none", "crc32", "xxh3")
 
 # Message kinds. Teacher -> student: SAMPLE, WELCOME, HEARTBEAT, DRAIN, END, RESET, REFUSE.
 # Student -> teacher: HELLO, CREDIT, ACK, COMMIT, ACKED, HEARTBEAT, BYE.
@@ -151,9 +159,11 @@ class Sample:
     # Shared-memory samples: (segment, stamp offset, stamp). The bytes are this sample's only while
     # the segment's stamp word still holds `stamp` (Subscriber.valid checks it after a copy).
     stamp: tuple[str, int, int] | None = None
-    # CRC32 of the tensor bytes in order (`sample_crc`), computed once by the producer's side and
-    # carried in the header and the spool file; receivers check it.
+    # Digests of the tensor bytes in order, computed once by the producer's side and carried in the
+    # header and the spool file; receivers check each one present. `crc`: CRC32 (`sample_crc`),
+    # `x3`: xxh3-64 (`sample_x3`, the default: ~25 GB/s on one core against CRC32's ~1.5).
     crc: int | None = None
+    x3: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -187,22 +197,48 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def checksum(buffers: list) -> int:
+def crc32_of(buffers: list) -> int:
+    """CRC32 of the buffers' bytes, in order (what `crc` in a header means)."""
     crc = 0
     for b in buffers:
         crc = zlib.crc32(b, crc)
     return crc
 
 
+def xxh3_of(buffers: list) -> int:
+    """xxh3-64 (seed 0) of the buffers' bytes, in order (what `x3` in a header means)."""
+    h = xxhash.xxh3_64()
+    for b in buffers:
+        h.update(b)
+    return h.intdigest()
+
+
 def sample_crc(sample: Sample) -> int:
     """CRC32 of the sample's tensor bytes, in tensor order (what `crc` in a header means)."""
-    return checksum([tensor_bytes(t) for t in sample.tensors.values()])
+    return crc32_of([tensor_bytes(t) for t in sample.tensors.values()])
+
+
+def sample_x3(sample: Sample) -> int:
+    """xxh3-64 of the sample's tensor bytes, in tensor order (what `x3` in a header means)."""
+    return xxh3_of([tensor_bytes(t) for t in sample.tensors.values()])
 
 
 def sample_header(
-    sample: Sample, *, with_crc: bool = False, shm: tuple[str, list[int], int, int] | None = None
+    sample: Sample,
+    *,
+    checksum: str = "none",
+    with_crc: bool = False,
+    shm: tuple[str, list[int], int, int] | None = None,
 ):
-    """Build the header map and the list of tensor byte views for `sample`."""
+    """Build the header map and the list of tensor byte views for `sample`.
+
+    Args:
+        checksum: "none", "crc32" or "xxh3": the digest to add when the sample does not carry it
+            already (`sample.crc` / `sample.x3` go into the header as they are, never recomputed).
+        with_crc: the older spelling of checksum="crc32".
+    """
+    if checksum not in CHECKSUMS:
+        raise ValueError(f"checksum must be one of {CHECKSUMS}, not {checksum!r}")
     specs = []
     bufs = []
     for i, (name, t) in enumerate(sample.tensors.items()):
@@ -220,16 +256,23 @@ def sample_header(
     }
     if sample.crc is not None:
         header["crc"] = sample.crc
-    elif with_crc:
-        header["crc"] = checksum(bufs)
+    elif with_crc or checksum == "crc32":
+        header["crc"] = crc32_of(bufs)
+    if sample.x3 is not None:
+        header["x3"] = sample.x3
+    elif checksum == "xxh3":
+        header["x3"] = xxh3_of(bufs)
     if shm is not None:
         header["shm"] = [shm[0], list(shm[1]), int(shm[2]), int(shm[3])]
     return header, bufs
 
 
-def encode_sample(sample: Sample, *, with_crc: bool = False) -> list:
-    """Frames for `sample`: [header bytes, tensor buffer, ...] (tensor buffers are not copied)."""
-    header, bufs = sample_header(sample, with_crc=with_crc)
+def encode_sample(sample: Sample, *, checksum: str = "none", with_crc: bool = False) -> list:
+    """Frames for `sample`: [header bytes, tensor buffer, ...] (tensor buffers are not copied).
+
+    `checksum` / `with_crc`: as for `sample_header`.
+    """
+    header, bufs = sample_header(sample, checksum=checksum, with_crc=with_crc)
     return [pack(header), *bufs]
 
 
@@ -386,6 +429,12 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     specs = _required(header, "t", list)
     if len(specs) > MAX_TENSORS:
         raise ProtocolError("field", f"{len(specs)} tensors > {MAX_TENSORS}")
+    crc = header.get("crc")
+    if crc is not None and not (_type_ok(crc, "int") and 0 <= crc < 1 << 32):
+        raise ProtocolError("field", "crc must be an unsigned 32-bit int")
+    x3 = header.get("x3")
+    if x3 is not None and not (_type_ok(x3, "int") and 0 <= x3 < 1 << 64):
+        raise ProtocolError("field", "x3 must be an unsigned 64-bit int")
     shm = header.get("shm")
     tensors: dict[str, torch.Tensor] = {}
     bufs = []
@@ -431,10 +480,13 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
                 )
             bufs.append(buf)
             tensors[name] = _view(buf, dtype, shape)
-    crc = header.get("crc")
-    if crc is not None and checksum(bufs) != crc:
+    if x3 is not None and xxh3_of(bufs) != x3:
+        raise ProtocolError("checksum", f"payload xxh3-64 mismatch for sample {key!r}")
+    if crc is not None and crc32_of(bufs) != crc:
         raise ProtocolError("checksum", f"payload CRC32 mismatch for sample {key!r}")
-    out = Sample(key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc)
+    out = Sample(
+        key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc, x3=x3
+    )
     if shm is not None:
         out.stamp = (shm[0], shm[2], shm[3])
     return out

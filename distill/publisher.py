@@ -177,8 +177,11 @@ class Publisher(StudentSessions):
         if self._error is not None:
             raise TransportError(f"publisher I/O thread failed: {self._error!r}")
         _check_sample(sample, slot)
+        # The configured digest, once, on the producer's thread; carried everywhere (header, spool).
         if self.cfg.checksum == "crc32" and sample.crc is None:
-            sample.crc = P.sample_crc(sample)  # once, on the producer's thread; carried everywhere
+            sample.crc = P.sample_crc(sample)
+        elif self.cfg.checksum == "xxh3" and sample.x3 is None:
+            sample.x3 = P.sample_x3(sample)
         nbytes = sample.nbytes
         with self._budget.cond:
             to_spool = self._wait_for_room(nbytes)
@@ -409,17 +412,18 @@ class Publisher(StudentSessions):
                 return
 
     def _send_sample(self, st: Student, e: Entry) -> bool:
-        with_crc = self.cfg.checksum == "crc32"
+        # Usually already on the sample (submit); a replayed spool file may carry another digest.
+        checksum = self.cfg.checksum
         if st.shm_ok and self._ring is not None and e.shm is None:
             self._to_ring(e)
         if st.shm_ok and e.shm is not None:
             off, offsets, stamp = e.shm
             header, _ = P.sample_header(
-                e.sample, with_crc=with_crc, shm=(str(self._ring.path), offsets, off, stamp)
+                e.sample, checksum=checksum, shm=(str(self._ring.path), offsets, off, stamp)
             )
             frames = [P.pack(header)]
         else:
-            frames = P.encode_sample(e.sample, with_crc=with_crc)
+            frames = P.encode_sample(e.sample, checksum=checksum)
         if not self._send(st.ident, frames, sample=True):
             return False
         st.sent(e)

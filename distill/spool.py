@@ -2,7 +2,9 @@
 
 A spool file holds the sample's tensors (`hidden_states` [num_tokens, num_layers, hidden] and
 `token_ids` [num_tokens], as vLLM's ExampleHiddenStatesConnector writes them) and, in the
-safetensors header metadata, the sample key, teacher id, sequence number, layer ids and metadata.
+safetensors header metadata, the sample key, teacher id, sequence number, layer ids, metadata and
+a digest of the tensor bytes (`x3`: xxh3-64, or `crc`: CRC32 in files of earlier versions) that
+`read_spool_file` verifies.
 Files are written under a temporary name and renamed into place, so a reader never sees a partial
 file. `read_spool_file` also reads files written by vLLM's own connector (no metadata: the key is
 the file name), taking a shared flock on `<file>.lock` when one exists, as vLLM's reader does.
@@ -20,7 +22,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distill.protocol import Sample, sample_crc
+from distill.protocol import Sample, sample_crc, sample_x3
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
@@ -45,7 +47,7 @@ def remove_spool_file(path: str | os.PathLike) -> None:
 
 
 class SpoolChecksumError(ValueError):
-    """A spool file whose tensor bytes do not match the CRC32 written with them."""
+    """A spool file whose tensor bytes do not match the digest (xxh3-64 or CRC32) written with them."""
 
 
 def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
@@ -65,12 +67,19 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
         "layers": json.dumps(list(sample.layers)),
         "meta": json.dumps(sample.meta),
         "format": "distill-stream/1",
-        # CRC32 of the tensor bytes in order: a reader checks it (a damaged file is never used).
-        "crc": str(sample.crc if sample.crc is not None else sample_crc(sample)),
-        # safetensors gives tensors back sorted by name: the producer's order, which the CRC and
+        # safetensors gives tensors back sorted by name: the producer's order, which the digest and
         # the wire frames follow, is kept here and restored by the reader.
         "order": json.dumps(list(sample.tensors)),
     }
+    # A digest of the tensor bytes in order: a reader checks it (a damaged file is never used). The
+    # sample's xxh3-64 when it has one, else its CRC32 (files of earlier versions carry only that),
+    # else an xxh3-64 computed here (far cheaper than a CRC32).
+    if sample.x3 is not None:
+        meta["x3"] = str(sample.x3)
+    elif sample.crc is not None:
+        meta["crc"] = str(sample.crc)
+    else:
+        meta["x3"] = str(sample_x3(sample))
     tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
     try:
         save_file(tensors, str(tmp), metadata=meta)
@@ -107,13 +116,19 @@ def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
     if sorted(order) == sorted(tensors):
         tensors = {k: tensors[k] for k in order}
     key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
+    x3 = int(md["x3"]) if md.get("x3", "").isdigit() else None
     crc = int(md["crc"]) if md.get("crc", "").isdigit() else None
+    if x3 is not None:
+        got = sample_x3(Sample(key=key, tensors=tensors))
+        if got != x3:
+            raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's xxh3-64 ({got} != {x3})")
     if crc is not None:
         got = sample_crc(Sample(key=key, tensors=tensors))
         if got != crc:
             raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's CRC32 ({got} != {crc})")
     return Sample(
         crc=crc,
+        x3=x3,
         key=key,
         tensors=tensors,
         layers=json.loads(md["layers"]) if "layers" in md else [],

@@ -4,6 +4,7 @@ keeps serving."""
 from __future__ import annotations
 
 import msgpack
+import pytest
 import torch
 import zmq
 from waiting import wait_until
@@ -65,7 +66,8 @@ def test_teacher_rejects_garbage_and_keeps_serving(tmp_path):
         assert {"garbage", "version", "kind", "field", "frames", "header_too_large"} <= set(reasons)
 
 
-def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path):
+@pytest.mark.parametrize("checksum", ["crc32", "xxh3"])
+def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path, checksum):
     ep = f"ipc://{tmp_path}/fake-teacher.sock"
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.bind(ep)
@@ -86,8 +88,9 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path):
             teacher="fake",
             seq=1,
         )
-        h, bufs = P.sample_header(good, with_crc=True)
+        h, bufs = P.sample_header(good, checksum=checksum)
         payload = bytes(bufs[0])
+        digest = {"crc32": "crc", "xxh3": "x3"}[checksum]  # the header key that carries it
 
         def spec(**kw):
             t = list(h["t"][0])
@@ -106,6 +109,7 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path):
             [spec(shape=[-1, 2, 3]), payload],  # negative dimension
             [P.pack({**h, "shm": ["/dev/shm/nope", [4096]]})],  # shm slot on a ring never offered
             [P.pack({**h, "k": 55}), payload],  # unknown kind
+            [P.pack({**h, digest: str(h[digest])}), payload],  # digest of the wrong type
         ]
         for frames in bad:
             router.send_multipart([ident, *frames])
@@ -125,8 +129,8 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path):
                 break
         # A sample whose bytes do not match its checksum: rejected and counted, never handed out,
         # and the student opens a new session so that the teacher sends it again.
-        bad_crc = {**h, "seq": 2, "key": "damaged", "crc": (h["crc"] + 1) & 0xFFFFFFFF}
-        router.send_multipart([ident, P.pack(bad_crc), payload])
+        bad_digest = {**h, "seq": 2, "key": "damaged", digest: h[digest] ^ 1}
+        router.send_multipart([ident, P.pack(bad_digest), payload])
         while True:
             ident, msg = router.recv_multipart()
             if P.decode_header(msg)["k"] == P.HELLO:

@@ -18,10 +18,11 @@ def roundtrip(sample: Sample, **kw) -> Sample:
     return P.decode_sample(header, wire[1:])
 
 
+@pytest.mark.parametrize("checksum", ["crc32", "xxh3"])
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32, torch.uint8, torch.bool]
 )
-def test_roundtrip_exact(dtype):
+def test_roundtrip_exact(dtype, checksum):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(7, 3, 5, generator=g) * 100).to(dtype)
     s = Sample(
@@ -31,8 +32,12 @@ def test_roundtrip_exact(dtype):
         meta={"a": 1, "b": "x"},
     )
     s.teacher, s.seq = "t0", 42
-    out = roundtrip(s, with_crc=True)
+    out = roundtrip(s, checksum=checksum)
     assert out.key == "row-1" and out.teacher == "t0" and out.seq == 42
+    if checksum == "xxh3":
+        assert out.x3 == P.sample_x3(s) and out.crc is None
+    else:
+        assert out.crc == P.sample_crc(s) and out.x3 is None
     assert out.layers == [0, 2, 4] and out.meta == {"a": 1, "b": "x"}
     assert out.tensors["hidden_states"].dtype == dtype
     assert torch.equal(out.tensors["hidden_states"].view(torch.uint8), x.view(torch.uint8))
@@ -59,10 +64,61 @@ def test_empty_and_scalar_tensors():
     assert out.tensors["hidden_states"].shape == (0, 4, 8)
 
 
-def _good():
+def _good(checksum="crc32"):
     s = Sample(key="k", tensors={"hidden_states": torch.ones(4, 2, 3), "token_ids": torch.arange(4)})
-    header, bufs = P.sample_header(s, with_crc=True)
+    header, bufs = P.sample_header(s, checksum=checksum)
     return header, [bytes(b) for b in bufs]
+
+
+def test_xxh3_header_key_is_the_xxh3_64_of_the_tensor_bytes_in_order():
+    import xxhash
+
+    s = Sample(key="k", tensors={"hidden_states": torch.randn(4, 2, 3), "token_ids": torch.arange(4)})
+    h, bufs = P.sample_header(s, checksum="xxh3")
+    assert "crc" not in h and h["x3"] == xxhash.xxh3_64(b"".join(bytes(b) for b in bufs)).intdigest()
+    assert h["x3"] == P.sample_x3(s)
+    h, _ = P.sample_header(s, checksum="crc32")
+    assert "x3" not in h and h["crc"] == P.sample_crc(s)
+    h, _ = P.sample_header(s, with_crc=True)  # the older spelling
+    assert h["crc"] == P.sample_crc(s)
+    assert not {"crc", "x3"} & set(P.sample_header(s)[0])
+    # A digest the sample carries goes into the header as it is (computed once, by the producer).
+    s.x3, s.crc = 12345, 678
+    h, _ = P.sample_header(s, checksum="xxh3")
+    assert h["x3"] == 12345 and h["crc"] == 678
+    with pytest.raises(ValueError):
+        P.sample_header(s, checksum="md5")
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "xxh3"])
+def test_flipped_payload_byte_is_a_checksum_error_naming_the_algorithm(checksum):
+    h, f = _good(checksum)
+    corrupted = bytearray(f[1])
+    corrupted[-1] ^= 0x01
+    with pytest.raises(ProtocolError) as ei:
+        P.decode_sample(P.decode_header(P.pack(h)), [f[0], bytes(corrupted)])
+    assert ei.value.reason == "checksum"
+    assert ("xxh3" if checksum == "xxh3" else "CRC32") in str(ei.value)
+    # Both digests present: each one is checked.
+    both = {**h, "crc": P.crc32_of(f), "x3": P.xxh3_of(f)}
+    out = P.decode_sample(P.decode_header(P.pack(both)), f)
+    assert (out.crc, out.x3) == (both["crc"], both["x3"])
+    for k in ("crc", "x3"):
+        assert _reason(P.pack({**both, k: both[k] ^ 1}), f) == "checksum"
+
+
+@pytest.mark.parametrize("value", ["123", 1.5, True, -1, [1], {"a": 1}])
+def test_bad_typed_digest_is_a_field_error(value):
+    h, f = _good("xxh3")
+    assert _reason(P.pack({**h, "x3": value}), f) == "field"
+    h, f = _good("crc32")
+    assert _reason(P.pack({**h, "crc": value}), f) == "field"
+
+
+def test_crc_wider_than_32_bits_is_a_field_error():
+    # (An x3 cannot be too wide: msgpack carries no int of 2**64 or more.)
+    h, f = _good("crc32")
+    assert _reason(P.pack({**h, "crc": 1 << 32}), f) == "field"
 
 
 def _reason(header_bytes, frames):
@@ -95,6 +151,9 @@ def test_malformed_messages_rejected_with_reason():
     corrupted = bytearray(f[0])
     corrupted[0] ^= 1
     assert _reason(P.pack(h), [bytes(corrupted), f[1]]) == "checksum"
+    h3, f3 = _good("xxh3")
+    assert _reason(P.pack(h3), [bytes(corrupted), f3[1]]) == "checksum"
+    assert _reason(P.pack({**h3, "x3": "0"}), f3) == "field"
 
 
 def test_no_pickle_on_the_wire():

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from distill.config import ConfigError, RunFile, TransportConfig, load_run_file, validate
-from distill.protocol import Sample, sample_crc
-from distill.spool import iter_spool, list_spool, read_spool_file, write_sample
+from distill.protocol import Sample, sample_crc, sample_x3
+from distill.spool import SpoolChecksumError, iter_spool, list_spool, read_spool_file, write_sample
 
 
 def test_write_read_roundtrip_with_metadata(tmp_path):
@@ -33,8 +33,8 @@ def test_write_read_roundtrip_with_metadata(tmp_path):
     assert torch.equal(out.tensors["hidden_states"].view(torch.uint8), hs.view(torch.uint8))
 
 
-def test_tensor_order_and_crc_survive_the_file(tmp_path):
-    """safetensors returns tensors sorted by name; the CRC (and the frames a replay sends) follow
+def test_tensor_order_and_digest_survive_the_file(tmp_path):
+    """safetensors returns tensors sorted by name; the digest (and the frames a replay sends) follow
     the producer's order: a file written in any order reads back in that order and checks."""
     s = Sample(
         key="k",
@@ -47,7 +47,69 @@ def test_tensor_order_and_crc_survive_the_file(tmp_path):
     )
     out = read_spool_file(write_sample(tmp_path, s))  # raised SpoolChecksumError before
     assert list(out.tensors) == ["token_ids", "hidden_states", "loss_mask"]
-    assert out.crc == sample_crc(s) == sample_crc(out)
+    # A sample without a digest gets an xxh3-64 (the cheaper one) in its file.
+    assert out.x3 == sample_x3(s) == sample_x3(out) and out.crc is None
+
+
+def _spool_sample(**kw) -> Sample:
+    g = torch.Generator().manual_seed(3)
+    tensors = {"hidden_states": torch.randn(6, 2, 8, generator=g).bfloat16(), "token_ids": torch.arange(6)}
+    return Sample(key="d", tensors=tensors, layers=[1, 2], **kw)
+
+
+def _flip_last_byte(p):
+    raw = bytearray(p.read_bytes())
+    raw[-1] ^= 0x01  # the last tensor byte
+    p.write_bytes(bytes(raw))
+
+
+def _file_metadata(p) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(p), framework="pt") as f:
+        return f.metadata()
+
+
+def test_spool_file_keeps_the_samples_xxh3_and_rejects_damage(tmp_path):
+    s = _spool_sample()
+    s.x3 = sample_x3(s)
+    p = write_sample(tmp_path, s)
+    assert _file_metadata(p)["x3"] == str(s.x3) and "crc" not in _file_metadata(p)
+    out = read_spool_file(p)
+    assert out.x3 == s.x3 and out.crc is None
+    _flip_last_byte(p)
+    with pytest.raises(SpoolChecksumError, match="xxh3"):
+        read_spool_file(p)
+    # The recorded digest is the sample's own (computed once by the producer), not recomputed.
+    s2 = _spool_sample()
+    s2.x3 = 42
+    with pytest.raises(SpoolChecksumError, match="xxh3"):
+        read_spool_file(write_sample(tmp_path / "b", s2))
+
+
+def test_crc_only_spool_files_still_read_and_verify(tmp_path):
+    """Files of earlier versions (and samples of a `checksum: crc32` teacher) carry a CRC32 only."""
+    s = _spool_sample()
+    s.crc = sample_crc(s)
+    p = write_sample(tmp_path, s)
+    assert _file_metadata(p)["crc"] == str(s.crc) and "x3" not in _file_metadata(p)
+    out = read_spool_file(p)
+    assert out.crc == s.crc and out.x3 is None
+    _flip_last_byte(p)
+    with pytest.raises(SpoolChecksumError, match="CRC32"):
+        read_spool_file(p)
+    # A file that carries both digests (another writer): both are checked.
+    both = tmp_path / "both.safetensors"
+    meta = {"key": "d", "x3": str(sample_x3(s)), "crc": str(s.crc), "order": '["hidden_states", "token_ids"]'}
+    save_file(dict(s.tensors), str(both), metadata=meta)
+    out = read_spool_file(both)
+    assert (out.x3, out.crc) == (sample_x3(s), s.crc)
+    save_file(dict(s.tensors), str(both), metadata={**meta, "crc": str(s.crc ^ 1)})
+    with pytest.raises(SpoolChecksumError, match="CRC32"):
+        read_spool_file(both)
+    save_file(dict(s.tensors), str(both), metadata={**meta, "x3": str(sample_x3(s) ^ 1)})
+    with pytest.raises(SpoolChecksumError, match="xxh3"):
+        read_spool_file(both)
 
 
 def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
@@ -109,6 +171,14 @@ def test_bad_values_are_named(tmp_path):
         validate(TransportConfig, {"max_buffer_bytes": 0})
     with pytest.raises(ConfigError, match="not found"):
         load_run_file(tmp_path / "missing.yaml")
+
+
+def test_checksum_defaults_to_xxh3_and_names_unknown_algorithms():
+    assert TransportConfig().checksum == "xxh3"
+    for ok in ("none", "crc32", "xxh3"):
+        assert validate(TransportConfig, {"checksum": ok}).checksum == ok
+    with pytest.raises(ConfigError, match="checksum"):
+        validate(TransportConfig, {"checksum": "md5"})
 
 
 def test_example_configs_load():

@@ -375,7 +375,7 @@ def test_rings_of_earlier_teacher_sessions_are_unmapped(tmp_path):
 
 
 def test_damaged_spool_file_is_set_aside_not_delivered(tmp_path):
-    """A spool file whose bytes no longer match its CRC32 is never handed to a student: it is
+    """A spool file whose bytes no longer match its digest is never handed to a student: it is
     counted and renamed `.corrupt` (then it no longer counts as spooled: distill-teacher generates
     the key again); the intact files are served."""
     from distill.spool import SpoolChecksumError, read_spool_file, write_sample
@@ -394,7 +394,7 @@ def test_damaged_spool_file_is_set_aside_not_delivered(tmp_path):
     cfg = _cfg(tmp_path, shm="off")
     with Publisher(cfg, SpoolConfig(dir=str(spool))) as pub, Subscriber(cfg) as sub:
         s = sub.get(timeout=10)
-        assert s is not None and s.key == "k001" and s.crc is not None
+        assert s is not None and s.key == "k001" and s.x3 is not None  # the file's, carried on
         sub.ack(s)
         assert sub.get(timeout=1.0) is None
         assert pub.stats()["rejected_by_reason"].get("spool_file") == 1
