@@ -181,6 +181,19 @@ def parse_args(argv=None):
     p.add_argument("--bare-max-s", type=float, default=60.0, help="most seconds of bare-loop timing")
     p.add_argument("--profile", action="store_true", help="also time the student loop's phases")
     p.add_argument(
+        "--probe",
+        action="store_true",
+        help="also: the real student loop fed from memory (no teacher, no source cost), once per "
+        "--probe-set variant, and the bare loop over the same batches: the loop's own speed",
+    )
+    p.add_argument(
+        "--probe-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="a probe variant (student.* overrides); default: one run with the defaults",
+    )
+    p.add_argument(
         "--profile-samples", type=int, default=None, help="synthetic samples (default 600; --tiny 24)"
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # bare | profile-student
@@ -1063,6 +1076,93 @@ def write_synthetic_spool(cfg_path: Path, spool: Path, n: int) -> int:
     return min(n, len(ids))
 
 
+def child_loop_probe(args) -> None:
+    """student.train.training_function over a spool read into memory before the loop starts: what
+    is timed is the loop and the GPU, not a source (a live stream hands over shared-memory views,
+    as cheap as this)."""
+    import logging
+
+    import student.train as st
+    from student.sources import SpoolSource
+
+    class MemorySource(SpoolSource):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            if self._it is not None:
+                self._it = iter(list(self._it))  # every file read now
+
+    st.SpoolSource = MemorySource
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    cfg, run = st.load_student_config(args.config, [])
+    keep = st.training_function(cfg, run)  # noqa: F841 (held until os._exit, as student.train.main)
+    m = json.loads((Path(cfg.output_dir) / "metrics.json").read_text())
+    steps = m.get("steps", [])
+    res = {"probe_steps": len(steps), "probe_samples": m.get("summary", {}).get("samples")}
+    if len(steps) > 1:
+        dt_s = steps[-1]["time"] - steps[0]["time"]
+        res["probe_loop_tok_s"] = round(sum(x["tokens"] for x in steps[1:]) / max(dt_s, 1e-9), 1)
+        res["probe_loop_s"] = round(dt_s, 3)
+    Path(args.child_out).write_text(json.dumps(res))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run_probe(args, work: Path, cfg: dict, spool: str, env: dict, res: dict, deadline: float) -> None:
+    """The loop probe: one synthetic spool, the real loop from memory per variant, then the bare
+    loop over the first variant's batches."""
+    import yaml
+
+    pspool = Path(spool + "_probe")
+    cfg_path = work / "run.yaml"
+    res["probe_synthetic_samples"] = write_synthetic_spool(cfg_path, pspool, args.profile_samples)
+    variants = args.probe_set or [""]
+    out: list[dict] = []
+    for i, v in enumerate(variants):
+        if time.monotonic() > deadline - 60:
+            break
+        pcfg = json.loads(json.dumps(cfg))
+        pcfg["student"].update(mode="spool", spool_dir=str(pspool), output_dir=str(work / f"probe_{i}"))
+        for item in filter(None, v.split(",")):
+            key, _, raw = item.partition("=")
+            pcfg["student"][key.strip()] = yaml.safe_load(raw)
+        ppath = work / f"probe_{i}.yaml"
+        ppath.write_text(yaml.safe_dump(pcfg, sort_keys=False))
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1"]
+        launcher += ["--num_machines", "1", "--mixed_precision", pcfg["student"]["mixed_precision"]]
+        launcher += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
+        left = min(300.0, deadline - time.monotonic())
+        r = run_child(
+            args, "loop-probe", ["--config", str(ppath)], env, left, work / f"probe_{i}.log", launcher
+        )
+        r["variant"] = v or "defaults"
+        out.append(r)
+        log(f"probe {r['variant']}: {r.get('probe_loop_tok_s')} tok/s")
+    res["probe"] = out
+    first = work / "probe_0" / "metrics.json"
+    if first.exists() and time.monotonic() < deadline - 60:
+        bare = run_child(
+            args,
+            "bare",
+            [
+                "--config",
+                str(work / "probe_0.yaml"),
+                "--metrics",
+                str(first),
+                "--bare-max-s",
+                str(args.bare_max_s),
+            ],
+            env,
+            min(300.0, deadline - time.monotonic()),
+            work / "probe_bare.log",
+        )
+        res["probe_bare_loop_tok_s"] = bare.get("bare_loop_tok_s")
+        res["probe_bare"] = {k: v for k, v in bare.items() if k.startswith("bare_") or k == "error"}
+        for r in out:
+            if r.get("probe_loop_tok_s") and bare.get("bare_loop_tok_s"):
+                r["vs_bare"] = round(r["probe_loop_tok_s"] / bare["bare_loop_tok_s"], 4)
+    shutil.rmtree(pspool, ignore_errors=True)
+
+
 def child_profile_student(args) -> None:
     """Runs student.train.training_function with timers around its phases (patched in)."""
     import logging
@@ -1232,6 +1332,9 @@ def main(argv=None) -> int:
     if args.child == "profile-student":
         child_profile_student(args)
         return 0
+    if args.child == "loop-probe":
+        child_loop_probe(args)
+        return 0
     if args.rows is None:
         args.rows = 48 if args.tiny else 3000
     if args.profile_samples is None:
@@ -1358,6 +1461,10 @@ def main(argv=None) -> int:
                 res["profile_error"] = prof
             shutil.rmtree(pspool, ignore_errors=True)
             phases["profile_s"] = round(time.monotonic() - t, 1)
+        if args.probe and time.monotonic() - t_start < args.budget_s - 90:
+            t = time.monotonic()
+            run_probe(args, work, cfg, spool, env, res, t_start + args.budget_s)
+            phases["probe_s"] = round(time.monotonic() - t, 1)
     except Interrupted as e:
         status = f"interrupted ({e})"
     except Exception as e:  # report what there is
@@ -1387,7 +1494,7 @@ def main(argv=None) -> int:
         "time_to_first_step_s",
     ):
         res.setdefault(k, None)
-    for name in ("teacher.log", "student.log", "bare.log", "profile.log"):
+    for name in ("teacher.log", "student.log", "bare.log", "profile.log", "probe_0.log", "probe_bare.log"):
         src = work / name
         if src.exists() and out_dir != work:
             data = src.read_bytes()
