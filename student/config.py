@@ -121,9 +121,6 @@ class StudentConfig(Strict):
     # shape, ~30 ms of CPU per layer (H200 profile), and token-budget batches rarely repeat a
     # shape; off, SDPA uses its flash / memory-efficient kernels.
     cudnn_attention: bool = False
-    # Threads that copy a micro-batch's teacher states into page-locked memory on a GPU (the copy
-    # releases the GIL; one thread moved ~5 GB/s on an H200 host). None: min(4, CPUs); 1: inline.
-    collate_threads: int | None = Field(None, gt=0)
 
     # --- optimisation ---
     optimizer: Literal["adamw", "sgd"] = "adamw"

@@ -10,10 +10,8 @@ optimizer step that used them.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -154,18 +152,13 @@ def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int) -> None
 
 
 def collate(
-    samples: list[Sample],
-    layer_ids: list[int],
-    pin_memory: bool = False,
-    pad_to_multiple_of: int = 1,
-    threads: int = 1,
+    samples: list[Sample], layer_ids: list[int], pin_memory: bool = False, pad_to_multiple_of: int = 1
 ) -> Batch:
     """Copy `samples` into one packed Batch: token ids and mask padded on the right to T (the
     longest sample, rounded up to `pad_to_multiple_of`), the selected teacher layers packed
     [N, n, H] in the dtype the teacher sent, read by index straight from each received view (no
     upcast, no zero-filled padding on the host). `pin_memory`: page-locked, for an asynchronous copy
-    to a GPU (`Batch.to`). `threads` > 1: the samples' states are copied by that many threads. The
-    result owns its memory: the samples' views may die after this."""
+    to a GPU (`Batch.to`). The result owns its memory: the samples' views may die after this."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     lengths = [s.num_tokens for s in samples]
@@ -176,57 +169,30 @@ def collate(
     mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
     loss_mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
     teacher = torch.empty(sum(lengths), len(layer_ids), hidden, dtype=dtype, pin_memory=pin_memory)
-    copies = []
     off = 0
     for b, s in enumerate(samples):
         n = lengths[b]
+        hs = s.tensors["hidden_states"]
+        pos = layer_index(s, layer_ids)
         input_ids[b, :n] = s.tensors["token_ids"]  # copies
         mask[b, :n] = True
         lm = s.tensors.get("loss_mask")
         loss_mask[b, :n] = True if lm is None else lm.bool()  # (shape checked by check_sample)
-        copies.append((s.tensors["hidden_states"], layer_index(s, layer_ids), teacher[off : off + n]))
+        dst = teacher[off : off + n]
+        if pos == list(range(hs.shape[1])):
+            dst.copy_(hs)  # every received layer, in order
+        elif hs.dtype == dtype and len(pos) == 1:
+            dst[:, 0].copy_(hs[:, pos[0]])
+        elif hs.dtype == dtype:
+            torch.index_select(hs, 1, torch.tensor(pos, dtype=torch.long), out=dst)  # copies
+        else:
+            dst.copy_(hs.index_select(1, torch.tensor(pos, dtype=torch.long)))
         off += n
-    pool = _copy_pool(threads) if threads > 1 and len(copies) > 1 else None
-    if pool is None:
-        for c in copies:
-            _copy_states(*c)
-    else:  # torch's copies release the GIL: the samples' states are copied side by side
-        list(pool.map(lambda c: _copy_states(*c), copies))
     if pin_memory:
         input_ids, mask, loss_mask = input_ids.pin_memory(), mask.pin_memory(), loss_mask.pin_memory()
     return Batch(
         input_ids, mask, teacher, list(layer_ids), lengths, max(pad_to_multiple_of, 1), loss_mask=loss_mask
     )
-
-
-def _copy_states(hs: torch.Tensor, pos: list[int], dst: torch.Tensor) -> None:
-    """One sample's teacher states, the layers at `pos` in that order, into `dst` [n, len(pos), H]."""
-    if pos == list(range(hs.shape[1])):
-        dst.copy_(hs)  # every received layer, in order
-    elif hs.dtype == dst.dtype and len(pos) == 1:
-        dst[:, 0].copy_(hs[:, pos[0]])
-    elif hs.dtype == dst.dtype:
-        torch.index_select(hs, 1, torch.tensor(pos, dtype=torch.long), out=dst)  # copies
-    else:
-        dst.copy_(hs.index_select(1, torch.tensor(pos, dtype=torch.long)))
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def _copy_pool(threads: int) -> ThreadPoolExecutor:
-    """One process-wide pool per size (collate runs on the training loop's thread only)."""
-    pool = _POOLS.get(threads)
-    if pool is None:
-        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="collate")
-    return pool
-
-
-def collate_threads(setting: int | None, on_gpu: bool) -> int:
-    """student.collate_threads: None -> min(4, CPUs) on a GPU (pinned copies), 1 on a CPU."""
-    if setting is not None:
-        return setting
-    return min(4, os.cpu_count() or 1) if on_gpu else 1
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:

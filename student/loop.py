@@ -52,7 +52,6 @@ from student.data import (
     agree,
     check_sample,
     collate,
-    collate_threads,
     empty_batch,
     idle_wait_s,
     key_hash,
@@ -167,7 +166,6 @@ class Trainer:
         # With it on, lengths are rounded up to 64 by default (fewer distinct shapes).
         self.pin = on_gpu
         self.pad_to = cfg.pad_to_multiple_of or (64 if on_gpu and cfg.cudnn_attention else 1)
-        self.collate_threads = collate_threads(cfg.collate_threads, on_gpu)
         self.batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
         self.metrics = StepMetrics(accelerator, cfg, ledger, bar)
 
@@ -225,11 +223,7 @@ class Trainer:
                 check_sample(s, b.layer_ids, b.teacher_hidden)
             if mb.samples:
                 mb.batch = collate(
-                    mb.samples,
-                    b.layer_ids,
-                    pin_memory=self.pin,
-                    pad_to_multiple_of=self.pad_to,
-                    threads=self.collate_threads,
+                    mb.samples, b.layer_ids, pin_memory=self.pin, pad_to_multiple_of=self.pad_to
                 )
                 self.drop_stale(mb)
         except TeacherGoneError as e:
