@@ -238,6 +238,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def accelerate_launcher(mixed_precision: str) -> list[str]:
+    """`accelerate launch` with one process on this host (the command before the script)."""
+    return [
+        *(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"),
+        *("--mixed_precision", mixed_precision, "--dynamo_backend", "no"),
+        *("--main_process_port", str(free_port())),
+    ]
+
+
 def set_dotted(cfg: dict, dotted: str, value) -> None:
     parts = dotted.split(".")
     d = cfg
@@ -431,19 +440,7 @@ def run_e2e(args, work: Path, cfg_path: Path, cfg: dict, res: dict) -> None:
     if args.tiny:
         student_env["OMP_NUM_THREADS"] = "1"
     student_cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_processes",
-        "1",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        cfg["student"].get("mixed_precision", "no"),
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
+        *accelerate_launcher(cfg["student"].get("mixed_precision", "no")),
         str(REPO / "student.py"),
         "--config",
         str(cfg_path),
@@ -1127,9 +1124,7 @@ def run_probe(args, work: Path, cfg: dict, spool: str, env: dict, res: dict, dea
             pcfg["student"][key.strip()] = yaml.safe_load(raw)
         ppath = work / f"probe_{i}.yaml"
         ppath.write_text(yaml.safe_dump(pcfg, sort_keys=False))
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1"]
-        launcher += ["--num_machines", "1", "--mixed_precision", pcfg["student"]["mixed_precision"]]
-        launcher += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
+        launcher = accelerate_launcher(pcfg["student"]["mixed_precision"])
         left = min(300.0, deadline - time.monotonic())
         r = run_child(
             args, "loop-probe", ["--config", str(ppath)], env, left, work / f"probe_{i}.log", launcher
@@ -1426,21 +1421,7 @@ def main(argv=None) -> int:
             pcfg_path = work / "profile.yaml"
             pcfg_path.write_text(yaml.safe_dump(pcfg, sort_keys=False))
             senv = dict(env)
-            launcher = [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--num_processes",
-                "1",
-                "--num_machines",
-                "1",
-                "--mixed_precision",
-                pcfg["student"]["mixed_precision"],
-                "--dynamo_backend",
-                "no",
-                "--main_process_port",
-                str(free_port()),
-            ]
+            launcher = accelerate_launcher(pcfg["student"]["mixed_precision"])
             left = args.budget_s - (time.monotonic() - t_start) - 10
             prof = run_child(
                 args,

@@ -213,6 +213,16 @@ def xxh3_of(buffers: list) -> int:
     return h.intdigest()
 
 
+def digest_mismatch(bufs: list, crc: int | None, x3: int | None) -> tuple[str, int, int] | None:
+    """(algorithm, computed, recorded) of the first recorded digest the bytes do not match."""
+    for name, want, fn in (("xxh3-64", x3, xxh3_of), ("CRC32", crc, crc32_of)):
+        if want is not None:
+            got = fn(bufs)
+            if got != want:
+                return name, got, want
+    return None
+
+
 def sample_crc(sample: Sample) -> int:
     """CRC32 of the sample's tensor bytes, in tensor order (what `crc` in a header means)."""
     return crc32_of([tensor_bytes(t) for t in sample.tensors.values()])
@@ -480,10 +490,9 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
                 )
             bufs.append(buf)
             tensors[name] = _view(buf, dtype, shape)
-    if x3 is not None and xxh3_of(bufs) != x3:
-        raise ProtocolError("checksum", f"payload xxh3-64 mismatch for sample {key!r}")
-    if crc is not None and crc32_of(bufs) != crc:
-        raise ProtocolError("checksum", f"payload CRC32 mismatch for sample {key!r}")
+    bad = digest_mismatch(bufs, crc, x3)
+    if bad is not None:
+        raise ProtocolError("checksum", f"payload {bad[0]} mismatch for sample {key!r}")
     out = Sample(
         key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc, x3=x3
     )

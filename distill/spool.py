@@ -22,7 +22,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distill.protocol import Sample, sample_crc, sample_x3
+from distill.protocol import Sample, digest_mismatch, sample_x3, tensor_bytes
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
@@ -118,14 +118,10 @@ def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
     key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
     x3 = int(md["x3"]) if md.get("x3", "").isdigit() else None
     crc = int(md["crc"]) if md.get("crc", "").isdigit() else None
-    if x3 is not None:
-        got = sample_x3(Sample(key=key, tensors=tensors))
-        if got != x3:
-            raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's xxh3-64 ({got} != {x3})")
-    if crc is not None:
-        got = sample_crc(Sample(key=key, tensors=tensors))
-        if got != crc:
-            raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's CRC32 ({got} != {crc})")
+    bad = digest_mismatch([tensor_bytes(t) for t in tensors.values()], crc, x3)
+    if bad is not None:
+        name, got, want = bad
+        raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's {name} ({got} != {want})")
     return Sample(
         crc=crc,
         x3=x3,
