@@ -64,7 +64,7 @@ class Publisher(StudentSessions):
         self.auto_end = auto_end
         self._budget = Budget()  # bytes in memory and spool, counters; its lock guards the fields below
         self._lock = self._budget.lock
-        self._spooler = Spooler(self.spool_cfg, self._budget)
+        self._spooler = Spooler(self.spool_cfg, self._budget, self._replay_slot, self._free_ring_offset)
         self._inbox: collections.deque[Entry] = collections.deque()  # submitted, not yet seen by I/O
         self._seq = 0
         self._stamp = secrets.randbits(40) << 20  # ring slot stamps: unique per publisher
@@ -114,6 +114,7 @@ class Publisher(StudentSessions):
         self.add_spool_files(list_spool(self.spool_cfg.dir))
         self._thread = threading.Thread(target=self._run, name="distill-publisher", daemon=True)
         self._thread.start()
+        self._spooler.start(self.cfg.max_buffer_bytes, self._wake.set)
         self._started.wait()
         return self
 
@@ -156,6 +157,15 @@ class Publisher(StudentSessions):
             self._stamp += 1
             stamp = self._stamp
         return self._ring.slot(specs, stamp)
+
+    def _replay_slot(self, specs):
+        """(I/O thread) A ring slot for a spool file being replayed: its bytes are read into it."""
+        slot = self.ring_slot(specs)
+        return None if slot is None else (dict(slot.tensors), slot)
+
+    def _free_ring_offset(self, off: int) -> None:
+        if self._ring is not None:
+            self._ring.free(off)
 
     def release_slot(self, slot: RingSlot) -> None:
         """Give back a slot from `ring_slot` that was not submitted."""
@@ -286,6 +296,7 @@ class Publisher(StudentSessions):
         self._wake.set()
         self._thread.join()
         self._thread = None
+        self._spooler.stop()  # files read ahead and not sent stay in the spool
         # Everything still in memory goes to the spool; spool-backed entries are already on disk.
         leftovers = list(self._inbox) + list(self._pending)
         for st in self._students.values():
@@ -385,8 +396,8 @@ class Publisher(StudentSessions):
             e.shm = None
 
     def _load_replay(self) -> bool:
-        """Load the next spool file into pending if memory allows. True if one was loaded."""
-        e = self._spooler.load_next(self.cfg.max_buffer_bytes)
+        """Move the next spool file read ahead (Spooler) into pending. True if one was ready."""
+        e = self._spooler.load_next()
         if e is None:
             return False
         with self._lock:
@@ -397,9 +408,10 @@ class Publisher(StudentSessions):
         return True
 
     def _dispatch(self) -> None:
+        self._spooler.demand(len(self._students) > 0)
         while True:
             if not self._pending and not (
-                self._spooler.replay and self._students.has_credit() and self._load_replay()
+                self._spooler.to_replay() and self._students.has_credit() and self._load_replay()
             ):
                 return
             e = self._pending[0]
@@ -449,7 +461,7 @@ class Publisher(StudentSessions):
         with self._lock:
             closed = self._input_closed and not self._inbox and not self._spooler.has_new()
             end_requested = self._end_requested
-        if not closed or self._pending or self._spooler.replay:
+        if not closed or self._pending or self._spooler.to_replay():
             self._idle.clear()
             return
         studs = self._students.items()

@@ -15,11 +15,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from safetensors import safe_open
+import torch
 from safetensors.torch import save_file
 
 from distill.protocol import Sample, digest_mismatch, sample_x3, tensor_bytes
@@ -92,46 +94,154 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
     return final
 
 
+# safetensors dtype names -> torch dtypes (the ones a hidden-state file can hold).
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+class SpoolFormatError(ValueError):
+    """A file that is not a well-formed safetensors file (header, dtypes, offsets)."""
+
+
+# alloc(specs) -> (tensors to fill, handle) or None: where read_spool_file puts the bytes (e.g. a
+# slot of the publisher's shared-memory ring); specs are name -> (shape, dtype) in sample order.
+Alloc = Callable[[dict[str, tuple[list[int], torch.dtype]]], "tuple[dict[str, torch.Tensor], object] | None"]
+
+
+def _read_header(fd: int, p: Path) -> tuple[dict, int, int]:
+    """(header JSON, offset of the data section, its length) of a safetensors file."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise SpoolFormatError(f"{p}: {size} bytes, too short for a safetensors file")
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise SpoolFormatError(f"{p}: safetensors header of {n} bytes in a file of {size}")
+    try:
+        header = json.loads(os.pread(fd, n, 8))
+    except ValueError as e:
+        raise SpoolFormatError(f"{p}: safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SpoolFormatError(f"{p}: safetensors header is not a JSON object")
+    return header, 8 + n, size - 8 - n
+
+
+def _tensor_specs(header: dict, data_len: int, p: Path) -> dict[str, tuple[list[int], torch.dtype, int, int]]:
+    """name -> (shape, dtype, begin, end) for each tensor, checked against the data section."""
+    specs = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt = _DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise SpoolFormatError(f"{p}: tensor {name!r} has an unreadable entry {info!r}") from None
+        want = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_len or end - begin != want:
+            raise SpoolFormatError(
+                f"{p}: tensor {name!r} ({info['dtype']} {shape}) does not fit its data offsets "
+                f"[{begin}, {end}) in {data_len} bytes of data"
+            )
+        specs[name] = (shape, dt, begin, end)
+    return specs
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, p: Path) -> None:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            raise SpoolFormatError(f"{p}: file ends inside a tensor")
+        got += n
+
+
 def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
-    """Load one spool file (ours or vLLM's ExampleHiddenStatesConnector's) into a Sample."""
+    """Load one spool file (ours or vLLM's ExampleHiddenStatesConnector's) into a Sample.
+
+    The tensor bytes are read straight into fresh tensors (one copy, no mmap page faults) and
+    checked against the file's digest. Raises SpoolFormatError (not a well-formed safetensors
+    file), ValueError (no hidden_states), SpoolChecksumError, or OSError.
+    """
+    return read_spool_into(path, lock=lock)[0]
+
+
+def read_spool_into(
+    path: str | os.PathLike, *, lock: bool = True, alloc: Alloc | None = None, release=None
+) -> tuple[Sample, object]:
+    """`read_spool_file`, also returning the handle `alloc` gave for the tensors (None when fresh
+    tensors were used). On an error, `release(handle)` is called before raising."""
     p = Path(path)
     lock_file = lock_path(p)
-    fd = None
+    lfd = None
     if lock and lock_file.exists():
-        fd = os.open(lock_file, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        lfd = os.open(lock_file, os.O_RDONLY)
+        fcntl.flock(lfd, fcntl.LOCK_SH)
+    handle = None
     try:
-        with safe_open(str(p), framework="pt") as f:
-            md = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    finally:
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            header, data_off, data_len = _read_header(fd, p)
+            md = header.get("__metadata__") or {}
+            specs = _tensor_specs(header, data_len, p)
+            if "hidden_states" not in specs:
+                raise ValueError(
+                    f"{p} has no 'hidden_states' tensor (keys: {sorted(specs)}): not a hidden-state file"
+                )
+            # The producer's order (safetensors sorts by name); else the order of the bytes.
+            order = json.loads(md["order"]) if "order" in md else []
+            names = order if sorted(order) == sorted(specs) else sorted(specs, key=lambda k: specs[k][2])
+            got = alloc({k: (specs[k][0], specs[k][1]) for k in names}) if alloc is not None else None
+            if got is None:
+                tensors = {k: torch.empty(specs[k][0], dtype=specs[k][1]) for k in names}
+            else:
+                tensors, handle = got
+            for k in names:
+                _, _, begin, end = specs[k]
+                if end > begin:
+                    _pread_into(fd, tensor_bytes(tensors[k]), data_off + begin, p)
+        finally:
             os.close(fd)
-    if "hidden_states" not in tensors:
-        raise ValueError(
-            f"{p} has no 'hidden_states' tensor (keys: {sorted(tensors)}): not a hidden-state file"
+        key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
+        x3 = int(md["x3"]) if md.get("x3", "").isdigit() else None
+        crc = int(md["crc"]) if md.get("crc", "").isdigit() else None
+        bad = digest_mismatch([tensor_bytes(t) for t in tensors.values()], crc, x3)
+        if bad is not None:
+            name, got_d, want = bad
+            raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's {name} ({got_d} != {want})")
+        sample = Sample(
+            crc=crc,
+            x3=x3,
+            key=key,
+            tensors=tensors,
+            layers=json.loads(md["layers"]) if "layers" in md else [],
+            meta=json.loads(md["meta"]) if "meta" in md else {},
+            teacher=md.get("teacher", ""),
+            seq=int(md.get("seq", 0)),
         )
-    order = json.loads(md["order"]) if "order" in md else []
-    if sorted(order) == sorted(tensors):
-        tensors = {k: tensors[k] for k in order}
-    key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
-    x3 = int(md["x3"]) if md.get("x3", "").isdigit() else None
-    crc = int(md["crc"]) if md.get("crc", "").isdigit() else None
-    bad = digest_mismatch([tensor_bytes(t) for t in tensors.values()], crc, x3)
-    if bad is not None:
-        name, got, want = bad
-        raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's {name} ({got} != {want})")
-    return Sample(
-        crc=crc,
-        x3=x3,
-        key=key,
-        tensors=tensors,
-        layers=json.loads(md["layers"]) if "layers" in md else [],
-        meta=json.loads(md["meta"]) if "meta" in md else {},
-        teacher=md.get("teacher", ""),
-        seq=int(md.get("seq", 0)),
-    )
+    except BaseException:
+        if handle is not None and release is not None:
+            release(handle)
+        raise
+    finally:
+        if lfd is not None:
+            fcntl.flock(lfd, fcntl.LOCK_UN)
+            os.close(lfd)
+    return sample, handle
 
 
 def list_spool(directory: str | os.PathLike) -> list[Path]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from distill.config import SpoolConfig
 from distill.protocol import Sample
-from distill.spool import read_spool_file, remove_spool_file, write_sample
+from distill.spool import Alloc, read_spool_into, remove_spool_file, write_sample
 from distill.students import Entry
 
 log = logging.getLogger("distill.transport")
@@ -63,17 +63,73 @@ class Budget:
 
 class Spooler:
     """Spool files a publisher knows of: written by producers (`write`), left by earlier runs
-    (`add_files`), and parked by the I/O thread (`park`); replayed in that order (`load_next`)."""
+    (`add_files`), and parked by the I/O thread (`park`); replayed in that order.
 
-    def __init__(self, cfg: SpoolConfig, budget: Budget):
+    Replay reads ahead: while a student is connected (`demand`), a reader thread (`start`) reads
+    and checks the next files into memory (a ring slot when there is room) while the I/O thread
+    sends, at most PREFETCH files and never past the publisher's memory budget; the I/O thread takes
+    them with `load_next`, which never blocks. With no student, files read ahead are given back
+    (memory freed, the files first in line again).
+    """
+
+    PREFETCH = 4  # files read ahead of the I/O thread
+
+    def __init__(self, cfg: SpoolConfig, budget: Budget, alloc: Alloc | None = None, free_slot=None):
         self.cfg = cfg
         self.budget = budget
-        self._new: collections.deque[tuple[Path, int]] = collections.deque()  # any thread, under the lock
-        self.replay: collections.deque[tuple[Path, int]] = collections.deque()  # I/O thread
+        # Where replayed files are read to (alloc: a ring slot of the publisher, so that no second
+        # copy is needed to send them through shared memory) and how such a slot is given back
+        # (free_slot(offset)); fresh tensors without.
+        self.alloc, self.free_slot = alloc, free_slot
+        # All under budget.lock: written since the I/O thread last looked; to replay, in order; read
+        # ahead and checked (entries held in memory); being read now.
+        self._new: collections.deque[tuple[Path, int]] = collections.deque()
+        self._replay: collections.deque[tuple[Path, int]] = collections.deque()
+        self._ready: collections.deque[Entry] = collections.deque()
+        self._reading = 0
+        self._demand = False
+        self._max_held = 0
+        self._wake_io = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
 
     def __len__(self) -> int:
-        """Files waiting to be replayed."""
-        return len(self.replay) + len(self._new)
+        """Files waiting to be replayed (including those read ahead)."""
+        return self.to_replay() + len(self._new)
+
+    def to_replay(self) -> int:
+        """Files queued for replay, being read, or read and not yet taken by `load_next`."""
+        return len(self._replay) + self._reading + len(self._ready)
+
+    def start(self, max_held_bytes: int, wake_io) -> None:
+        """Start the reader thread: it keeps the publisher's held bytes within `max_held_bytes` and
+        calls `wake_io()` when a file is ready."""
+        self._max_held, self._wake_io = max_held_bytes, wake_io
+        self._thread = threading.Thread(target=self._read_ahead, name="distill-spool-replay", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the reader thread. Files read ahead stay in the spool (nothing is lost); their ring
+        slots are given back."""
+        with self.budget.cond:
+            self._stop = True
+            self.budget.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._give_back_ready()
+
+    def demand(self, students: bool) -> None:
+        """(I/O thread) Whether any student is connected: read ahead only then; without one, what
+        was read ahead is given back."""
+        with self.budget.cond:
+            changed = students != self._demand
+            self._demand = students
+            if changed:
+                self.budget.cond.notify_all()
+            if students or not self._ready:
+                return
+        self._give_back_ready()
 
     def has_new(self) -> bool:
         """(Under budget.lock) files written since the I/O thread last looked."""
@@ -109,9 +165,11 @@ class Spooler:
 
     def take_new(self) -> None:
         """(I/O thread) Queue the files written since the last look for replay."""
-        with self.budget.lock:
-            while self._new:
-                self.replay.append(self._new.popleft())
+        with self.budget.cond:
+            if self._new:
+                self._replay.extend(self._new)
+                self._new.clear()
+                self.budget.cond.notify_all()
 
     def park(self, e: Entry) -> None:
         """(I/O thread) A sample waiting in memory goes (back) to the spool and is replayed later."""
@@ -125,7 +183,8 @@ class Spooler:
         else:
             path, size = e.spool_path, e.spool_size  # replayed from the spool: it is still there
             self.budget.count("replayed", -1)
-        self.replay.append((path, size))
+        with self.budget.lock:
+            self._replay.append((path, size))
         self.budget.free(held=e.nbytes)
 
     def write_leftover(self, e: Entry) -> None:
@@ -144,30 +203,74 @@ class Spooler:
             freed_spool = e.spool_size
         self.budget.free(held=e.nbytes, spool=freed_spool)
 
-    def load_next(self, max_buffer_bytes: int) -> Entry | None:
-        """(I/O thread) The next spool file as an entry held in memory, if memory allows; None when
-        there is none or no room. A file that cannot be read is counted and set aside (.corrupt)."""
-        while self.replay:
-            p, size = self.replay[0]
-            if not p.exists():
-                self.replay.popleft()
-                self.budget.free(spool=size)
-                continue
-            with self.budget.lock:
-                held = self.budget.held_bytes
-            if held > 0 and held + size > max_buffer_bytes:
-                return None
-            self.replay.popleft()
+    def load_next(self) -> Entry | None:
+        """(I/O thread) The next spool file read ahead into memory, or None when none is ready."""
+        with self.budget.lock:
+            return self._ready.popleft() if self._ready else None
+
+    def _read_ahead(self) -> None:
+        """(Reader thread) Read the next file while a student is connected, fewer than PREFETCH
+        wait and memory allows. A
+        file that is gone was removed since (its sample committed); one that cannot be read is
+        counted and set aside (.corrupt)."""
+        while True:
+            with self.budget.cond:
+                while not self._stop and not self._may_read():
+                    self.budget.cond.wait(0.5)
+                if self._stop:
+                    return
+                p, size = self._replay.popleft()
+                self._reading = 1
+            e = None
             try:
-                s = read_spool_file(p, lock=False)
-            except Exception as e:  # a corrupt file is counted and set aside for inspection
-                self._set_aside(p, size, e)
-                continue
-            with self.budget.lock:
-                self.budget.held_bytes += s.nbytes
-                self.budget.counters["replayed"] += 1
-            return Entry(s, s.nbytes, spool_path=p, spool_size=size)
-        return None
+                e = self._read(p, size)
+            finally:
+                with self.budget.lock:
+                    self._reading = 0
+                    if e is not None:
+                        self._ready.append(e)
+            if e is not None and self._wake_io is not None:
+                self._wake_io()
+
+    def _may_read(self) -> bool:
+        """(Under the lock) A student is connected, a file waits, fewer than PREFETCH are ready,
+        and it fits in memory."""
+        if not self._demand or not self._replay or len(self._ready) >= self.PREFETCH:
+            return False
+        held = self.budget.held_bytes
+        return held == 0 or held + self._replay[0][1] <= self._max_held
+
+    def _read(self, p: Path, size: int) -> Entry | None:
+        try:
+            s, slot = read_spool_into(
+                p, lock=False, alloc=self.alloc, release=lambda sl: self.free_slot(sl.offset)
+            )
+        except FileNotFoundError:  # removed since (its sample was committed): nothing to replay
+            self.budget.free(spool=size)
+            return None
+        except Exception as err:  # a corrupt file is counted and set aside for inspection
+            self._set_aside(p, size, err)
+            return None
+        e = Entry(s, s.nbytes, spool_path=p, spool_size=size)
+        with self.budget.lock:
+            self.budget.held_bytes += s.nbytes
+            self.budget.counters["replayed"] += 1
+            if slot is not None:
+                e.shm = (slot.offset, slot.offsets, slot.stamp)
+                self.budget.counters["shm_samples"] += 1
+        return e
+
+    def _give_back_ready(self) -> None:
+        """Files read ahead and not sent: slots and memory freed, the files first in line again."""
+        with self.budget.lock:
+            ready, self._ready = list(self._ready), collections.deque()
+            self._replay.extendleft((e.spool_path, e.spool_size) for e in reversed(ready))
+            self.budget.counters["replayed"] -= len(ready)
+        for e in ready:
+            if e.shm is not None:
+                self.free_slot(e.shm[0])
+                e.shm = None
+            self.budget.free(held=e.nbytes)
 
     def _set_aside(self, p: Path, size: int, err: Exception) -> None:
         self.budget.reject("spool_file")
