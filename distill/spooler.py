@@ -65,14 +65,17 @@ class Spooler:
     """Spool files a publisher knows of: written by producers (`write`), left by earlier runs
     (`add_files`), and parked by the I/O thread (`park`); replayed in that order.
 
-    Replay reads ahead: while a student is connected (`demand`), a reader thread (`start`) reads
-    and checks the next files into memory (a ring slot when there is room) while the I/O thread
+    Replay reads ahead: while a student is connected (`demand`), READERS threads (`start`) read
+    and check the next files into memory (a ring slot when there is room) while the I/O thread
     sends, at most PREFETCH files and never past the publisher's memory budget; the I/O thread takes
-    them with `load_next`, which never blocks. With no student, files read ahead are given back
-    (memory freed, the files first in line again).
+    them with `load_next`, which never blocks. Several readers because one reads and hashes at
+    ~2 GB/s (pread and xxh3 release the GIL), less than a GPU student takes. With no student, files
+    read ahead are given back (memory freed, the files first in line again). Files are sent in
+    about the order they were queued (readers finish out of order).
     """
 
-    PREFETCH = 4  # files read ahead of the I/O thread
+    READERS = 4
+    PREFETCH = 8  # files read ahead of the I/O thread
 
     def __init__(self, cfg: SpoolConfig, budget: Budget, alloc: Alloc | None = None, free_slot=None):
         self.cfg = cfg
@@ -91,7 +94,7 @@ class Spooler:
         self._max_held = 0
         self._wake_io = None
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def __len__(self) -> int:
         """Files waiting to be replayed (including those read ahead)."""
@@ -102,21 +105,23 @@ class Spooler:
         return len(self._replay) + self._reading + len(self._ready)
 
     def start(self, max_held_bytes: int, wake_io) -> None:
-        """Start the reader thread: it keeps the publisher's held bytes within `max_held_bytes` and
-        calls `wake_io()` when a file is ready."""
+        """Start the reader threads: they keep the publisher's held bytes within `max_held_bytes`
+        and call `wake_io()` when a file is ready."""
         self._max_held, self._wake_io = max_held_bytes, wake_io
-        self._thread = threading.Thread(target=self._read_ahead, name="distill-spool-replay", daemon=True)
-        self._thread.start()
+        for i in range(self.READERS):
+            t = threading.Thread(target=self._read_ahead, name=f"distill-spool-replay-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def stop(self) -> None:
-        """Stop the reader thread. Files read ahead stay in the spool (nothing is lost); their ring
+        """Stop the reader threads. Files read ahead stay in the spool (nothing is lost); their ring
         slots are given back."""
         with self.budget.cond:
             self._stop = True
             self.budget.cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for t in self._threads:
+            t.join()
+        self._threads = []
         self._give_back_ready()
 
     def demand(self, students: bool) -> None:
@@ -209,7 +214,7 @@ class Spooler:
             return self._ready.popleft() if self._ready else None
 
     def _read_ahead(self) -> None:
-        """(Reader thread) Read the next file while a student is connected, fewer than PREFETCH
+        """(Reader threads) Read the next file while a student is connected, fewer than PREFETCH
         wait and memory allows. A
         file that is gone was removed since (its sample committed); one that cannot be read is
         counted and set aside (.corrupt)."""
@@ -220,13 +225,14 @@ class Spooler:
                 if self._stop:
                     return
                 p, size = self._replay.popleft()
-                self._reading = 1
+                self._reading += 1
+                self.budget.held_bytes += size  # reserved while it is read (corrected after)
             e = None
             try:
                 e = self._read(p, size)
             finally:
                 with self.budget.lock:
-                    self._reading = 0
+                    self._reading -= 1
                     if e is not None:
                         self._ready.append(e)
             if e is not None and self._wake_io is not None:
@@ -235,25 +241,27 @@ class Spooler:
     def _may_read(self) -> bool:
         """(Under the lock) A student is connected, a file waits, fewer than PREFETCH are ready,
         and it fits in memory."""
-        if not self._demand or not self._replay or len(self._ready) >= self.PREFETCH:
+        if not self._demand or not self._replay or len(self._ready) + self._reading >= self.PREFETCH:
             return False
         held = self.budget.held_bytes
         return held == 0 or held + self._replay[0][1] <= self._max_held
 
     def _read(self, p: Path, size: int) -> Entry | None:
+        """The file as an entry held in memory; `size` bytes of held_bytes were reserved for it."""
         try:
             s, slot = read_spool_into(
                 p, lock=False, alloc=self.alloc, release=lambda sl: self.free_slot(sl.offset)
             )
         except FileNotFoundError:  # removed since (its sample was committed): nothing to replay
-            self.budget.free(spool=size)
+            self.budget.free(held=size, spool=size)
             return None
         except Exception as err:  # a corrupt file is counted and set aside for inspection
+            self.budget.free(held=size)
             self._set_aside(p, size, err)
             return None
         e = Entry(s, s.nbytes, spool_path=p, spool_size=size)
         with self.budget.lock:
-            self.budget.held_bytes += s.nbytes
+            self.budget.held_bytes += s.nbytes - size
             self.budget.counters["replayed"] += 1
             if slot is not None:
                 e.shm = (slot.offset, slot.offsets, slot.stamp)
