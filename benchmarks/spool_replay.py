@@ -86,22 +86,24 @@ def make_spool(d: Path, total_mb: int, sample_mb: int) -> int:
     return n
 
 
-def replay_once(d: Path, shm: str) -> dict:
+def replay_once(d: Path, shm: str, journal: Path | None = None) -> dict:
+    """One replay of folder `d`; with `journal`, as distill-teacher serves: acked files are removed
+    and every ack is journalled."""
     cfg = TransportConfig(bind=["tcp://127.0.0.1:0"], shm=shm)
-    spool = SpoolConfig(dir=str(d), keep=True)
+    spool = SpoolConfig(dir=str(d), keep=journal is None)
     ctx = mp.get_context("spawn")
     done_q = ctx.Queue()
-    with Publisher(cfg, spool) as pub:
+    with Publisher(cfg, spool, journal=journal) as pub:
         ep = pub.endpoints[0]
         t0 = time.perf_counter()
         p = ctx.Process(target=student, args=(ep, shm, done_q))
         p.start()
         pub.close_input()  # END once every file is acked
+        sizes = [f.stat().st_size for f in list_spool(d)]
         got, t_first, t_last, t_end = done_q.get(timeout=600)
         dt = time.perf_counter() - t0
         st = pub.stats()
         p.join(30)
-    sizes = [f.stat().st_size for f in list_spool(d)]
     steady = t_end - t_first
     return {
         "samples": got,
@@ -123,12 +125,20 @@ def main() -> None:
     ap.add_argument("--shm", default="auto", choices=["auto", "off"])
     ap.add_argument("--dir", default="/dev/shm/spool_replay_bench")
     ap.add_argument("--label", default="")
+    ap.add_argument(
+        "--consume", action="store_true", help="as distill-teacher serves: remove acked files, journal acks"
+    )
     a = ap.parse_args()
     d = Path(a.dir)
     n = make_spool(d, a.total_mb, a.sample_mb)
     runs = []
     for i in range(a.repeats):
-        r = replay_once(d, a.shm)
+        if a.consume and i:
+            make_spool(d, a.total_mb, a.sample_mb)
+        journal = d.with_name(d.name + f".journal{i}") if a.consume else None
+        r = replay_once(d, a.shm, journal)
+        if journal is not None:
+            journal.unlink(missing_ok=True)
         runs.append(r)
         print(
             f"repeat {i + 1}: {r['samples']} samples, first to END {r['first_to_end_s']} s, {r['GB_s']} GB/s (shm {r['shm_samples']})"
@@ -144,6 +154,7 @@ def main() -> None:
         "samples": n,
         "sample_mb": a.sample_mb,
         "shm": a.shm,
+        "consume": a.consume,
         "GB_s_median": med,
         "runs": runs,
     }
