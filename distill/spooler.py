@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import queue
 import threading
 from pathlib import Path
 
@@ -95,6 +96,8 @@ class Spooler:
         self._wake_io = None
         self._stop = False
         self._threads: list[threading.Thread] = []
+        self._trash: queue.SimpleQueue = queue.SimpleQueue()  # (path, size) of acked spool files
+        self._remover: threading.Thread | None = None
 
     def __len__(self) -> int:
         """Files waiting to be replayed (including those read ahead)."""
@@ -112,6 +115,8 @@ class Spooler:
             t = threading.Thread(target=self._read_ahead, name=f"distill-spool-replay-{i}", daemon=True)
             t.start()
             self._threads.append(t)
+        self._remover = threading.Thread(target=self._remove, name="distill-spool-remove", daemon=True)
+        self._remover.start()
 
     def stop(self) -> None:
         """Stop the reader threads. Files read ahead stay in the spool (nothing is lost); their ring
@@ -123,6 +128,10 @@ class Spooler:
             t.join()
         self._threads = []
         self._give_back_ready()
+        if self._remover is not None:  # every acked file is removed before stop() returns
+            self._trash.put(None)
+            self._remover.join()
+            self._remover = None
 
     def demand(self, students: bool) -> None:
         """(I/O thread) Whether any student is connected: read ahead only then; without one, what
@@ -201,12 +210,24 @@ class Spooler:
                 self.budget.counters["spooled_bytes"] += e.nbytes
 
     def release(self, e: Entry) -> None:
-        """An acked sample: its spool file (if any) is removed (unless spool.keep), its bytes freed."""
-        freed_spool = 0
+        """An acked sample: its memory is freed; its spool file (if any, unless spool.keep) is
+        removed by the remover thread (unlinking an 8 MB file on tmpfs takes milliseconds, which
+        the I/O thread would spend not sending), and its spool bytes freed once it is gone. A crash
+        before the removal leaves the file of a delivered sample: distill-teacher removes those of
+        committed keys before it serves."""
+        self.budget.free(held=e.nbytes)
         if e.spool_path is not None and not self.cfg.keep:
-            remove_spool_file(e.spool_path)
-            freed_spool = e.spool_size
-        self.budget.free(held=e.nbytes, spool=freed_spool)
+            self._trash.put((e.spool_path, e.spool_size))
+
+    def _remove(self) -> None:
+        """(Remover thread) Unlink the files of acked samples until stop() sends None."""
+        while (item := self._trash.get()) is not None:
+            path, size = item
+            try:
+                remove_spool_file(path)
+            except OSError as err:
+                log.warning("cannot remove spool file %s of an acked sample: %s", path, err)
+            self.budget.free(spool=size)
 
     def load_next(self) -> Entry | None:
         """(I/O thread) The next spool file read ahead into memory, or None when none is ready."""
