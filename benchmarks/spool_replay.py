@@ -1,14 +1,16 @@
 """Spool replay benchmark: how fast a teacher's Publisher serves a spool folder to one student.
 
     .venv/bin/python benchmarks/spool_replay.py [--total-mb 1024] [--sample-mb 8] [--repeats 3]
-        [--shm auto|off] [--dir /dev/shm/spool_replay_bench]
+        [--shm auto|off] [--dir /dev/shm/spool_replay_bench] [--consume]
 
 This is the serve phase of `distill-teacher` (a teacher restarted after everything was spooled, or
 students slower than the teacher): a Publisher started on a folder of spool files replays them; one
 Subscriber process copies each sample's hidden states into a reused buffer (as the student's collate
-does) and acknowledges every 16 samples (as a student does after its optimizer step). Timed from the
-first sample the student receives to END (every file acknowledged, the last acks committed); the files are kept (`spool.keep`) so every repeat
-replays the same folder. Prints GB/s per repeat and the median; the last line is one JSON object.
+does) and acknowledges every 16 samples (as a student does after its optimizer step). Timed from
+the first sample the student receives to END (every file acknowledged, the last acks committed).
+The files are kept (`spool.keep`), so every repeat replays the same folder; with --consume they are
+removed on ack and acks are journalled, as distill-teacher serves (the folder is written again
+before each repeat). Prints GB/s per repeat and the median; the last line is one JSON object.
 """
 
 from __future__ import annotations
