@@ -176,6 +176,20 @@ def parse_args(argv=None):
         help="also: the teacher generates into its spool with no student, then serves it to a student "
         "that has the GPU to itself (the bare loop then replays that student's batches)",
     )
+    p.add_argument(
+        "--alone-synthetic",
+        action="store_true",
+        help="--alone without vLLM: the spool is written directly (random states over the dataset's "
+        "token ids), then distill-teacher serves it as in --alone",
+    )
+    p.add_argument(
+        "--alone-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="an --alone variant (dotted run.yaml overrides, e.g. transport.credit_samples=64); each "
+        "variant serves the same spool again; the first is the one reported",
+    )
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-bare", action="store_true")
     p.add_argument("--bare-max-s", type=float, default=60.0, help="most seconds of bare-loop timing")
@@ -539,56 +553,99 @@ ALONE_KEYS = (
 
 def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res: dict) -> Path | None:
     """The student with the GPU to itself, fed by the real stream: distill-teacher first generates
-    into its spool with nobody connected (`after_generation: exit`), then a second distill-teacher
-    (no engine: everything is spooled) serves the spool to `accelerate launch student.py`.
-    Returns the folder holding that student's metrics.json (None when it did not finish)."""
+    into its spool with nobody connected (`after_generation: exit`; with --alone-synthetic the
+    spool is written directly: random states over the dataset's own token ids, no vLLM), then a
+    second distill-teacher (no engine: everything is spooled) serves the spool to `accelerate
+    launch student.py`. Once per --alone-set variant, each on hard links to the same spool files
+    (a serve removes what it served). Returns the folder holding the first variant's student
+    metrics.json (None when it did not finish)."""
     import yaml
 
-    aw = work / "alone"
-    shutil.rmtree(aw, ignore_errors=True)
-    aw.mkdir(parents=True)
-    aspool = spool + "_alone"
-    shutil.rmtree(aspool, ignore_errors=True)
-    port = free_port()
-    acfg = json.loads(json.dumps(cfg))
-    acfg["teacher"]["journal"] = str(aw / "journal.txt")
-    acfg["student"]["output_dir"] = str(aw / "student")
-    acfg["spool"]["dir"] = aspool
-    acfg["transport"]["bind"] = [f"tcp://127.0.0.1:{port}"]
-    acfg["transport"]["connect"] = [f"tcp://127.0.0.1:{port}"]
-    gcfg = json.loads(json.dumps(acfg))
-    gcfg["teacher"]["after_generation"] = "exit"
-    gcfg["transport"]["connect_timeout_s"] = 0  # nobody will connect: spool at once
-    (aw / "generate.yaml").write_text(yaml.safe_dump(gcfg, sort_keys=False))
-    (aw / "run.yaml").write_text(yaml.safe_dump(acfg, sort_keys=False))
+    src_dir = work / "alone_src"
+    shutil.rmtree(src_dir, ignore_errors=True)
+    src_dir.mkdir(parents=True)
+    src_spool = spool + "_alone_src"
+    shutil.rmtree(src_spool, ignore_errors=True)
+    base = json.loads(json.dumps(cfg))
+    base["teacher"]["journal"] = str(src_dir / "journal.txt")
+    base["spool"]["dir"] = src_spool
     env = child_env(args.tiny)
     t = time.monotonic()
-    gen = Proc("teacher-generate", [sys.executable, "-m", "teacher.cli", "--config", str(aw / "generate.yaml")],
-               aw / "teacher_generate.log", env)  # fmt: skip
-    deadline = time.monotonic() + args.timeout
-    try:
-        while gen.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        gen.stop(signal.SIGINT, grace=20)
-    res["alone_generate_rc"] = gen.p.returncode
+    if args.alone_synthetic:
+        (src_dir / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        n = write_synthetic_spool(src_dir / "run.yaml", Path(src_spool), len(expected))
+        rc = 0 if n == len(expected) else 1
+        res["alone_spool_from"] = "synthetic (random bf16 states over the dataset's token ids; no vLLM)"
+    else:
+        gcfg = json.loads(json.dumps(base))
+        gcfg["teacher"]["after_generation"] = "exit"
+        gcfg["transport"]["connect_timeout_s"] = 0  # nobody will connect: spool at once
+        port = free_port()
+        gcfg["transport"]["bind"] = [f"tcp://127.0.0.1:{port}"]
+        gcfg["transport"]["connect"] = [f"tcp://127.0.0.1:{port}"]
+        (src_dir / "generate.yaml").write_text(yaml.safe_dump(gcfg, sort_keys=False))
+        gen = Proc("teacher-generate", [sys.executable, "-m", "teacher.cli", "--config", str(src_dir / "generate.yaml")],
+                   src_dir / "teacher_generate.log", env)  # fmt: skip
+        deadline = time.monotonic() + args.timeout
+        try:
+            while gen.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+        finally:
+            gen.stop(signal.SIGINT, grace=20)
+        rc = gen.p.returncode
+        res["alone_spool_from"] = "distill-teacher (vLLM) with nobody connected"
+    res["alone_generate_rc"] = rc
     res["alone_generate_s"] = round(time.monotonic() - t, 1)
-    files = list(Path(aspool).rglob("*.safetensors"))
+    files = sorted(Path(src_spool).rglob("*.safetensors"))
     res["alone_spooled_files"] = len(files)
     res["alone_spooled_bytes"] = sum(f.stat().st_size for f in files)
-    log(
-        f"alone: teacher spooled {len(files)} samples in {res['alone_generate_s']}s (exit {gen.p.returncode})"
-    )
-    if gen.p.returncode != 0:
+    log(f"alone: {len(files)} samples spooled in {res['alone_generate_s']}s (exit {rc})")
+    if rc != 0:
         return None
-    sub: dict = {"spool_dir": aspool}
-    run_e2e(args, aw, aw / "run.yaml", acfg, sub)
-    read_results(args, aw, sub, expected)
-    shutil.rmtree(aspool, ignore_errors=True)
-    res["alone"] = {k: sub.get(k) for k in ALONE_KEYS}
-    res["student_alone_tok_s"] = sub.get("student_tok_s")
-    log(f"alone: student {sub.get('student_tok_s')} tok/s, trained {sub.get('samples_trained')}")
-    return aw / "student" if (aw / "student" / "metrics.json").exists() else None
+    runs = []
+    first = None
+    for i, variant in enumerate(args.alone_set or [""]):
+        if i and time.monotonic() > args.deadline - 90:
+            log(f"alone: variant {variant!r} skipped (budget)")
+            break
+        aw = work / ("alone" if i == 0 else f"alone_{i}")
+        shutil.rmtree(aw, ignore_errors=True)
+        aw.mkdir(parents=True)
+        aspool = f"{spool}_alone{i}"
+        shutil.rmtree(aspool, ignore_errors=True)
+        for f in files:  # the serve removes files on ack: each variant gets its own links
+            dst = Path(aspool) / f.relative_to(src_spool)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(f, dst)
+        for j in src_dir.glob("journal.txt*"):  # the generating run's id, no commits
+            if not j.name.endswith((".lock", ".summary.json")):
+                shutil.copy(j, aw / j.name)
+        acfg = json.loads(json.dumps(base))
+        acfg["teacher"]["journal"] = str(aw / "journal.txt")
+        acfg["student"]["output_dir"] = str(aw / "student")
+        acfg["spool"]["dir"] = aspool
+        port = free_port()
+        acfg["transport"]["bind"] = [f"tcp://127.0.0.1:{port}"]
+        acfg["transport"]["connect"] = [f"tcp://127.0.0.1:{port}"]
+        for item in filter(None, variant.split(",")):
+            key, _, raw = item.partition("=")
+            set_dotted(acfg, key.strip(), yaml.safe_load(raw))
+        (aw / "run.yaml").write_text(yaml.safe_dump(acfg, sort_keys=False))
+        sub: dict = {"spool_dir": aspool}
+        run_e2e(args, aw, aw / "run.yaml", acfg, sub)
+        read_results(args, aw, sub, expected)
+        shutil.rmtree(aspool, ignore_errors=True)
+        r = {"variant": variant or "defaults", **{k: sub.get(k) for k in ALONE_KEYS}}
+        runs.append(r)
+        log(f"alone [{r['variant']}]: student {sub.get('student_tok_s')} tok/s, trained {sub.get('samples_trained')}")
+        if i == 0:
+            res["alone"] = {k: sub.get(k) for k in ALONE_KEYS}
+            res["student_alone_tok_s"] = sub.get("student_tok_s")
+            if (aw / "student" / "metrics.json").exists():
+                first = aw / "student"
+    res["alone_runs"] = runs
+    shutil.rmtree(src_spool, ignore_errors=True)
+    return first
 
 
 def progress_note(work: Path) -> str:
@@ -1384,6 +1441,9 @@ def main(argv=None) -> int:
         if args.recipe == "eagle3":
             args.skip_bare = True  # the bare loop replays the distill student's batches
         alone_dir = None
+        args.deadline = t_start + args.budget_s
+        if args.alone_synthetic or args.alone_set:
+            args.alone = True
         if args.alone and time.monotonic() - t_start < args.budget_s - 120:
             t = time.monotonic()
             alone_dir = run_alone(args, work, cfg, spool, expected, res)

@@ -119,6 +119,11 @@ class SpoolConfig(Strict):
     keep: bool = False
     # Stop spooling (and block the producer) beyond this many bytes on disk; 0 = no limit.
     max_bytes: int = Field(0, ge=0)
+    # Replay: threads that read spool files ahead of the sender, and how many files they keep ready
+    # (always within transport.max_buffer_bytes). More than one student batch of files ready keeps a
+    # fast GPU student fed when its acks return a whole batch of credit at once.
+    readers: int = Field(4, ge=1, le=64)
+    read_ahead: int = Field(8, ge=1, le=4096)
 
 
 class RunFile(Strict):

@@ -329,6 +329,7 @@ class Publisher(StudentSessions):
         s["inflight"] = sum(len(st.inflight) for st in studs)
         s["pending"] = len(self._pending) + len(self._inbox)
         s["spool_files"] = len(self._spooler)
+        s["read_ahead_ready"] = self._spooler.ready()
         s["teacher_id"] = self.tid
         s["run_id"] = self.run_id
         return s

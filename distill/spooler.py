@@ -9,6 +9,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 
 from distill.config import SpoolConfig
@@ -66,17 +67,14 @@ class Spooler:
     """Spool files a publisher knows of: written by producers (`write`), left by earlier runs
     (`add_files`), and parked by the I/O thread (`park`); replayed in that order.
 
-    Replay reads ahead: while a student is connected (`demand`), READERS threads (`start`) read
-    and check the next files into memory (a ring slot when there is room) while the I/O thread
-    sends, at most PREFETCH files and never past the publisher's memory budget; the I/O thread takes
+    Replay reads ahead: while a student is connected (`demand`), `spool.readers` threads (`start`)
+    read and check the next files into memory (a ring slot when there is room) while the I/O thread
+    sends, at most `spool.read_ahead` files and never past the publisher's memory budget; the I/O thread takes
     them with `load_next`, which never blocks. Several readers because one reads and hashes at
     ~2 GB/s (pread and xxh3 release the GIL), less than a GPU student takes. With no student, files
     read ahead are given back (memory freed, the files first in line again). Files are sent in
     about the order they were queued (readers finish out of order).
     """
-
-    READERS = 4
-    PREFETCH = 8  # files read ahead of the I/O thread
 
     def __init__(self, cfg: SpoolConfig, budget: Budget, alloc: Alloc | None = None, free_slot=None):
         self.cfg = cfg
@@ -107,11 +105,15 @@ class Spooler:
         """Files queued for replay, being read, or read and not yet taken by `load_next`."""
         return len(self._replay) + self._reading + len(self._ready)
 
+    def ready(self) -> int:
+        """Files read ahead and not yet taken by the I/O thread."""
+        return len(self._ready)
+
     def start(self, max_held_bytes: int, wake_io) -> None:
         """Start the reader threads: they keep the publisher's held bytes within `max_held_bytes`
         and call `wake_io()` when a file is ready."""
         self._max_held, self._wake_io = max_held_bytes, wake_io
-        for i in range(self.READERS):
+        for i in range(self.cfg.readers):
             t = threading.Thread(target=self._read_ahead, name=f"distill-spool-replay-{i}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -235,8 +237,8 @@ class Spooler:
             return self._ready.popleft() if self._ready else None
 
     def _read_ahead(self) -> None:
-        """(Reader threads) Read the next file while a student is connected, fewer than PREFETCH
-        wait and memory allows. A
+        """(Reader threads) Read the next file while a student is connected, fewer than
+        `spool.read_ahead` wait and memory allows. A
         file that is gone was removed since (its sample committed); one that cannot be read is
         counted and set aside (.corrupt)."""
         while True:
@@ -249,20 +251,22 @@ class Spooler:
                 self._reading += 1
                 self.budget.held_bytes += size  # reserved while it is read (corrected after)
             e = None
+            t0 = time.monotonic()
             try:
                 e = self._read(p, size)
             finally:
                 with self.budget.lock:
                     self._reading -= 1
+                    self.budget.counters["replay_read_s"] += time.monotonic() - t0
                     if e is not None:
                         self._ready.append(e)
             if e is not None and self._wake_io is not None:
                 self._wake_io()
 
     def _may_read(self) -> bool:
-        """(Under the lock) A student is connected, a file waits, fewer than PREFETCH are ready,
+        """(Under the lock) A student is connected, a file waits, fewer than `spool.read_ahead` are ready,
         and it fits in memory."""
-        if not self._demand or not self._replay or len(self._ready) + self._reading >= self.PREFETCH:
+        if not self._demand or not self._replay or len(self._ready) + self._reading >= self.cfg.read_ahead:
             return False
         held = self.budget.held_bytes
         return held == 0 or held + self._replay[0][1] <= self._max_held

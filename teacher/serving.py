@@ -81,6 +81,7 @@ class _Watch:
         self.last_print = now - r.cfg.progress_every_s  # a first line at once
         self.last_rate = (now, committed0)
         self.last_marks = None
+        self.last_read_s = 0.0
         self.idle_missing_since = None
         self.lost: set[str] = set()
         self.outcome: str | None = None
@@ -150,12 +151,16 @@ class _Watch:
         rate = (len(committed) - c_prev) / max(now - t_prev, 1e-9)
         self.last_rate = (now, len(committed))
         self.last_print = now
+        read_s = st.get("replay_read_s", 0.0)
+        busy = (read_s - self.last_read_s) / max(now - t_prev, 1e-9) / max(self.r.spool.readers, 1)
+        self.last_read_s = read_s
         idle_s = now - self.last_progress
         waiting = f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
         say(
             f"serving: committed {len(committed)}/{len(self.required)}, "
             f"in spool {len(list_spool(self.r.spool_dir))}, in flight {st.get('inflight', 0)}, "
-            f"students {students}, {rate:.1f} samples/s{waiting}"
+            f"students {students}, {rate:.1f} samples/s, read ahead {st.get('read_ahead_ready', 0)}, "
+            f"readers busy {100 * busy:.0f}%{waiting}"
         )
 
 
