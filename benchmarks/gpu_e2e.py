@@ -637,7 +637,9 @@ def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res:
         shutil.rmtree(aspool, ignore_errors=True)
         r = {"variant": variant or "defaults", **{k: sub.get(k) for k in ALONE_KEYS}}
         runs.append(r)
-        log(f"alone [{r['variant']}]: student {sub.get('student_tok_s')} tok/s, trained {sub.get('samples_trained')}")
+        log(
+            f"alone [{r['variant']}]: student {sub.get('student_tok_s')} tok/s, trained {sub.get('samples_trained')}"
+        )
         if i == 0:
             res["alone"] = {k: sub.get(k) for k in ALONE_KEYS}
             res["student_alone_tok_s"] = sub.get("student_tok_s")
