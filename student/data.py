@@ -178,21 +178,26 @@ def collate(
         mask[b, :n] = True
         lm = s.tensors.get("loss_mask")
         loss_mask[b, :n] = True if lm is None else lm.bool()  # (shape checked by check_sample)
-        dst = teacher[off : off + n]
-        if pos == list(range(hs.shape[1])):
-            dst.copy_(hs)  # every received layer, in order
-        elif hs.dtype == dtype and len(pos) == 1:
-            dst[:, 0].copy_(hs[:, pos[0]])
-        elif hs.dtype == dtype:
-            torch.index_select(hs, 1, torch.tensor(pos, dtype=torch.long), out=dst)  # copies
-        else:
-            dst.copy_(hs.index_select(1, torch.tensor(pos, dtype=torch.long)))
+        copy_layers(teacher[off : off + n], hs, pos)
         off += n
     if pin_memory:
         input_ids, mask, loss_mask = input_ids.pin_memory(), mask.pin_memory(), loss_mask.pin_memory()
     return Batch(
         input_ids, mask, teacher, list(layer_ids), lengths, max(pad_to_multiple_of, 1), loss_mask=loss_mask
     )
+
+
+def copy_layers(dst: torch.Tensor, hs: torch.Tensor, pos: list[int]) -> None:
+    """dst[:, j] = hs[:, pos[j]] (converting the dtype if they differ). Evenly spaced positions
+    (every layer, one layer, [1, 3] of four, ...) are one strided copy; others one copy per layer.
+    Both are ~1.5x faster than index_select into `out` on the CPU (18 samples of 490 x 4 x 2048
+    bf16, two layers wanted: 13-16 ms against 19-26 ms)."""
+    step = pos[1] - pos[0] if len(pos) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in zip(pos[:-1], pos[1:], strict=True)):
+        dst.copy_(hs[:, pos[0] : pos[-1] + 1 : step])
+    else:
+        for j, p in enumerate(pos):
+            dst[:, j].copy_(hs[:, p])
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:
@@ -296,6 +301,7 @@ class TokenBudgetBatcher:
         self.pending: list[Sample] = []  # samples of the batch being filled, in arrival order
         self._longest = 0  # longest pending sample, in tokens
         self.filled = False  # set by next_micro_batch: its last batch was full (a backlog)
+        self.capped = 0  # batches next_micro_batch ended early because the credit was all held
 
     def _fits(self, n_tokens: int) -> bool:
         if not self.pending:
@@ -356,10 +362,12 @@ def next_micro_batch(
             ready = batcher.push(s)
             if ready:
                 return done(ready, True)
+        batcher.capped += not batcher.full
         return done(batcher.flush(), True)
     last = time.monotonic()
     while True:
         if batcher.full or capped():
+            batcher.capped += not batcher.full
             return done(batcher.flush(), True)
         wait = idle_flush_s - (time.monotonic() - last)
         if wait <= 0:

@@ -63,6 +63,7 @@ from student.metrics import StepMetrics, write_metrics
 from student.recipe import Built, compute_loss, save_model
 
 logger = get_logger(__name__)
+CAPPED_HINT_AFTER = 20  # micro-batches cut short by the credit window before the hint is logged
 
 
 class TeacherLeft(Exception):
@@ -359,6 +360,18 @@ class Trainer:
         self.metrics.end_step(rec, wait)
         self.ledger.step = self.step
         self.step_tokens = self.step_samples = 0
+        if self.batcher.capped == CAPPED_HINT_AFTER and self.credit is not None:
+            self.batcher.capped += 1  # said once
+            logger.warning(
+                "%d of %d micro-batches on rank %d ended early because it held its whole credit "
+                "(transport.credit_samples %d) before max_tokens_per_batch was reached: a larger "
+                "credit window gives fuller batches and keeps the teacher ahead",
+                CAPPED_HINT_AFTER,
+                self.step,
+                self.rank,
+                self.credit,
+                main_process_only=False,
+            )
         self.bar.update(1)
         self.metrics.publish()
         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:

@@ -31,6 +31,12 @@ AT = {name: i for i, name in enumerate(FIELDS)}
 
 
 class StepMetrics:
+    # Steps whose sums may still be on their way from the GPU: reading a step's metrics waits for
+    # its GPU work, so the host may run this many optimizer steps ahead of the GPU (it collates and
+    # launches the next steps meanwhile). 2 leaves the GPU queued work while the host has a slow
+    # step (a long collate, the Subscriber's thread busy).
+    LAG = 2
+
     def __init__(self, accelerator, cfg, ledger: Ledger, bar):
         self.accelerator, self.cfg, self.ledger, self.bar = accelerator, cfg, ledger, bar
         self.world = accelerator.num_processes
@@ -65,7 +71,7 @@ class StepMetrics:
         """Turn finished steps' metrics into ledger records, progress and log lines, in step order."""
         while self.in_flight and (
             everything
-            or len(self.in_flight) > 1
+            or len(self.in_flight) > self.LAG
             or self.in_flight[0][1] is None
             or self.in_flight[0][1].query()
         ):

@@ -231,6 +231,26 @@ def test_micro_batch_stops_waiting_when_credit_is_used_up():
     got = next_micro_batch(src, b, 5.0, held=5, credit=8)
     assert [s.key for s in got] == ["k0", "k1", "k2"] and b.filled
     assert time.monotonic() - t0 < 1.0
+    assert b.capped == 1  # counted: the trainer hints at a larger credit window after 20 of these
+
+
+def test_copy_layers_equals_index_select_for_every_order_and_dtype():
+    """collate's layer copy (one strided copy for evenly spaced positions, else one per layer) gives
+    exactly what index_select gives, for every choice and order of layers, converting the dtype."""
+    import itertools
+
+    from student.data import copy_layers
+
+    hs = torch.randn(7, 5, 16).bfloat16()
+    for r in range(1, 6):
+        for pos in itertools.permutations(range(5), r):
+            for dt in (torch.bfloat16, torch.float32):
+                dst = torch.empty(7, r, 16, dtype=dt)
+                copy_layers(dst, hs, list(pos))
+                assert torch.equal(dst, hs.index_select(1, torch.tensor(pos)).to(dt)), pos
+    dst = torch.empty(7, 2, 16, dtype=torch.bfloat16)
+    copy_layers(dst, hs, [2, 2])  # the same layer twice (two layer_map entries)
+    assert torch.equal(dst[:, 0], hs[:, 2]) and torch.equal(dst[:, 1], hs[:, 2])
 
 
 def test_agree_drops_trained_and_lower_rank_keys_the_same_on_every_rank():
