@@ -123,6 +123,21 @@ def layer_index(sample: Sample, layer_ids: list[int]) -> list[int]:
     return [have.index(i) for i in layer_ids]
 
 
+def unused_layers_hint(sent: list[int], needed: list[int]) -> str | None:
+    """One line naming the teacher layers a sample carries that this student never reads, or None.
+    They cost nothing on the shared-memory path (the student copies only what it reads), but they
+    are extracted by the teacher and travel over TCP and into spool files."""
+    unused = [i for i in sent if i not in needed]
+    if not unused:
+        return None
+    share = len(unused) / len(sent)
+    return (
+        f"the teacher sends layers {list(sent)}; this student reads {sorted(needed)} and never uses "
+        f"{unused} ({share:.0%} of the hidden-state bytes over TCP and in spool files): if no other "
+        f"student needs them, drop them from the teacher's layer_ids"
+    )
+
+
 def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int) -> None:
     """Raise StudentError when `sample` cannot feed this student (layers, shapes, hidden size)."""
     hs = sample.tensors.get("hidden_states")

@@ -57,6 +57,7 @@ from student.data import (
     key_hash,
     next_micro_batch,
     select,
+    unused_layers_hint,
 )
 from student.ledger import Ledger
 from student.metrics import StepMetrics, write_metrics
@@ -185,6 +186,7 @@ class Trainer:
         self.anyone_backlogged = False  # last iteration: decides whether a rank may wait for samples
         self.gone: str | None = None  # why the teacher is gone (some rank heard nothing)
         self.counts = {"stale": 0, "duplicates": 0}
+        self.layers_noted = False  # the unused-layers hint is logged once
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -222,6 +224,11 @@ class Trainer:
             mb = Micro(next_micro_batch(self.source, self.batcher, wait, held, self.credit))
             for s in mb.samples:
                 check_sample(s, b.layer_ids, b.teacher_hidden)
+            if mb.samples and not self.layers_noted:
+                self.layers_noted = True
+                hint = unused_layers_hint(mb.samples[0].layers, b.layer_ids)
+                if hint:
+                    logger.info(hint)
             if mb.samples:
                 mb.batch = collate(
                     mb.samples, b.layer_ids, pin_memory=self.pin, pad_to_multiple_of=self.pad_to

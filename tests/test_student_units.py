@@ -234,6 +234,14 @@ def test_micro_batch_stops_waiting_when_credit_is_used_up():
     assert b.capped == 1  # counted: the trainer hints at a larger credit window after 20 of these
 
 
+def test_unused_layers_hint_names_what_the_student_never_reads():
+    from student.data import unused_layers_hint
+
+    msg = unused_layers_hint([4, 8, 12, 16], [8, 16])
+    assert "[4, 12]" in msg and "50%" in msg and "layer_ids" in msg
+    assert unused_layers_hint([16, 8], [8, 16]) is None  # every sent layer is read, in any order
+
+
 def test_copy_layers_equals_index_select_for_every_order_and_dtype():
     """collate's layer copy (one strided copy for evenly spaced positions, else one per layer) gives
     exactly what index_select gives, for every choice and order of layers, converting the dtype."""
