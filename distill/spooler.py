@@ -69,8 +69,8 @@ class Spooler:
 
     Replay reads ahead: while a student is connected (`demand`), `spool.readers` threads (`start`)
     read and check the next files into memory (a ring slot when there is room) while the I/O thread
-    sends, at most `spool.read_ahead` files and never past the publisher's memory budget; the I/O thread takes
-    them with `load_next`, which never blocks. Several readers because one reads and hashes at
+    sends, at most `spool.read_ahead` files and never past the publisher's memory budget; the I/O
+    thread takes them with `load_next`, which never blocks. Several readers because one reads and hashes at
     ~2 GB/s (pread and xxh3 release the GIL), less than a GPU student takes. With no student, files
     read ahead are given back (memory freed, the files first in line again). Files are sent in
     about the order they were queued (readers finish out of order).
@@ -238,9 +238,8 @@ class Spooler:
 
     def _read_ahead(self) -> None:
         """(Reader threads) Read the next file while a student is connected, fewer than
-        `spool.read_ahead` wait and memory allows. A
-        file that is gone was removed since (its sample committed); one that cannot be read is
-        counted and set aside (.corrupt)."""
+        `spool.read_ahead` wait and memory allows. A file that is gone was removed since (its sample
+        committed); one that cannot be read is counted and set aside (.corrupt)."""
         while True:
             with self.budget.cond:
                 while not self._stop and not self._may_read():
@@ -264,8 +263,8 @@ class Spooler:
                 self._wake_io()
 
     def _may_read(self) -> bool:
-        """(Under the lock) A student is connected, a file waits, fewer than `spool.read_ahead` are ready,
-        and it fits in memory."""
+        """(Under the lock) A student is connected, a file waits, fewer than `spool.read_ahead` are
+        ready, and it fits in memory."""
         if not self._demand or not self._replay or len(self._ready) + self._reading >= self.cfg.read_ahead:
             return False
         held = self.budget.held_bytes

@@ -187,6 +187,7 @@ class Trainer:
         self.gone: str | None = None  # why the teacher is gone (some rank heard nothing)
         self.counts = {"stale": 0, "duplicates": 0}
         self.layers_noted = False  # the unused-layers hint is logged once
+        self.capped_said = False  # and the credit-window hint
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -367,13 +368,13 @@ class Trainer:
         self.metrics.end_step(rec, wait)
         self.ledger.step = self.step
         self.step_tokens = self.step_samples = 0
-        if self.batcher.capped == CAPPED_HINT_AFTER and self.credit is not None:
-            self.batcher.capped += 1  # said once
+        if self.batcher.capped >= CAPPED_HINT_AFTER and not self.capped_said and self.credit is not None:
+            self.capped_said = True
             logger.warning(
-                "%d of %d micro-batches on rank %d ended early because it held its whole credit "
+                "%d micro-batches in %d steps on rank %d ended early because it held its whole credit "
                 "(transport.credit_samples %d) before max_tokens_per_batch was reached: a larger "
                 "credit window gives fuller batches and keeps the teacher ahead",
-                CAPPED_HINT_AFTER,
+                self.batcher.capped,
                 self.step,
                 self.rank,
                 self.credit,
