@@ -1524,11 +1524,12 @@ def main(argv=None) -> int:
     res["status"] = status
     res["phases"] = phases
     res["wall_s"] = round(time.monotonic() - t_start, 1)
-    if res.get("student_tok_s") and res.get("bare_loop_tok_s"):
+    alone = res.get("student_alone_tok_s")
+    if (alone or res.get("student_tok_s")) and res.get("bare_loop_tok_s"):
         # like for like: the student that had the GPU to itself, against the bare loop over its batches
-        alone = res.get("student_alone_tok_s")
         res["student_vs_bare"] = round((alone or res["student_tok_s"]) / res["bare_loop_tok_s"], 4)
         res["student_vs_bare_from"] = "student_alone_tok_s" if alone else "student_tok_s (shared GPU)"
+    if res.get("student_tok_s") and res.get("bare_loop_tok_s"):
         res["student_shared_vs_bare"] = round(res["student_tok_s"] / res["bare_loop_tok_s"], 4)
     for k in (
         "teacher_tok_s",
