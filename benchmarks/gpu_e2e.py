@@ -275,6 +275,21 @@ def set_dotted(cfg: dict, dotted: str, value) -> None:
     d[parts[-1]] = value
 
 
+def apply_sets(cfg: dict, items, prefix: str = "") -> None:
+    """KEY=VALUE overrides (YAML values) into `cfg`; `items` may hold comma-separated lists."""
+    import yaml
+
+    for item in (x for group in items for x in group.split(",") if x):
+        key, _, raw = item.partition("=")
+        set_dotted(cfg, prefix + key.strip(), yaml.safe_load(raw))
+
+
+def use_port(cfg: dict, port: int) -> None:
+    """The teacher binds and the student connects on 127.0.0.1:`port`."""
+    ep = f"tcp://127.0.0.1:{port}"
+    cfg["transport"]["bind"], cfg["transport"]["connect"] = [ep], [ep]  # two lists: no YAML alias
+
+
 def run_config(args, work: Path, teacher: Path, data: Path, port: int, spool: str) -> dict:
     n_layers = (TEACHER_TINY if args.tiny else TEACHER_GPU)["num_layers"]
     if args.recipe == "eagle3":
@@ -341,11 +356,7 @@ def run_config(args, work: Path, teacher: Path, data: Path, port: int, spool: st
             eagle3={"draft_vocab_size": 256 if args.tiny else 32000, "vocab_from": str(data), "ttt_steps": 3},
             max_tokens_per_batch=512 if args.tiny else 8192,
         )
-    import yaml
-
-    for item in args.set:
-        key, _, raw = item.partition("=")
-        set_dotted(cfg, key.strip(), yaml.safe_load(raw))
+    apply_sets(cfg, args.set)
     return cfg
 
 
@@ -586,9 +597,7 @@ def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res:
         gcfg = json.loads(json.dumps(base))
         gcfg["teacher"]["after_generation"] = "exit"
         gcfg["transport"]["connect_timeout_s"] = 0  # nobody will connect: spool at once
-        port = free_port()
-        gcfg["transport"]["bind"] = [f"tcp://127.0.0.1:{port}"]
-        gcfg["transport"]["connect"] = [f"tcp://127.0.0.1:{port}"]
+        use_port(gcfg, free_port())
         (src_dir / "generate.yaml").write_text(yaml.safe_dump(gcfg, sort_keys=False))
         gen = Proc("teacher-generate", [sys.executable, "-m", "teacher.cli", "--config", str(src_dir / "generate.yaml")],
                    src_dir / "teacher_generate.log", env)  # fmt: skip
@@ -630,24 +639,20 @@ def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res:
         acfg["teacher"]["journal"] = str(aw / "journal.txt")
         acfg["student"]["output_dir"] = str(aw / "student")
         acfg["spool"]["dir"] = aspool
-        port = free_port()
-        acfg["transport"]["bind"] = [f"tcp://127.0.0.1:{port}"]
-        acfg["transport"]["connect"] = [f"tcp://127.0.0.1:{port}"]
-        for item in filter(None, variant.split(",")):
-            key, _, raw = item.partition("=")
-            set_dotted(acfg, key.strip(), yaml.safe_load(raw))
+        use_port(acfg, free_port())
+        apply_sets(acfg, [variant])
         (aw / "run.yaml").write_text(yaml.safe_dump(acfg, sort_keys=False))
         sub: dict = {"spool_dir": aspool}
         run_e2e(args, aw, aw / "run.yaml", acfg, sub)
         read_results(args, aw, sub, expected)
         shutil.rmtree(aspool, ignore_errors=True)
-        r = {"variant": variant or "defaults", **{k: sub.get(k) for k in ALONE_KEYS}}
-        runs.append(r)
+        figures = {k: sub.get(k) for k in ALONE_KEYS}
+        runs.append({"variant": variant or "defaults", **figures})
         log(
-            f"alone [{r['variant']}]: student {sub.get('student_tok_s')} tok/s, trained {sub.get('samples_trained')}"
+            f"alone [{runs[-1]['variant']}]: student {figures['student_tok_s']} tok/s, trained {figures['samples_trained']}"
         )
         if i == 0:
-            res["alone"] = {k: sub.get(k) for k in ALONE_KEYS}
+            res["alone"] = figures
             res["student_alone_tok_s"] = sub.get("student_tok_s")
             if (aw / "student" / "metrics.json").exists():
                 first = aw / "student"
@@ -1184,9 +1189,7 @@ def run_probe(args, work: Path, cfg: dict, spool: str, env: dict, res: dict, dea
             break
         pcfg = json.loads(json.dumps(cfg))
         pcfg["student"].update(mode="spool", spool_dir=str(pspool), output_dir=str(work / f"probe_{i}"))
-        for item in filter(None, v.split(",")):
-            key, _, raw = item.partition("=")
-            pcfg["student"][key.strip()] = yaml.safe_load(raw)
+        apply_sets(pcfg, [v], prefix="student.")
         ppath = work / f"probe_{i}.yaml"
         ppath.write_text(yaml.safe_dump(pcfg, sort_keys=False))
         launcher = accelerate_launcher(pcfg["student"]["mixed_precision"])

@@ -159,7 +159,8 @@ class Publisher(StudentSessions):
         return self._ring.slot(specs, stamp)
 
     def _replay_slot(self, specs):
-        """(Spool reader threads) A ring slot for a spool file being replayed: its bytes are read into it."""
+        """(Spool reader threads) A ring slot for a spool file being replayed: its bytes are read
+        into it."""
         slot = self.ring_slot(specs)
         return None if slot is None else (dict(slot.tensors), slot)
 

@@ -70,10 +70,10 @@ class Spooler:
     Replay reads ahead: while a student is connected (`demand`), `spool.readers` threads (`start`)
     read and check the next files into memory (a ring slot when there is room) while the I/O thread
     sends, at most `spool.read_ahead` files and never past the publisher's memory budget; the I/O
-    thread takes them with `load_next`, which never blocks. Several readers because one reads and hashes at
-    ~2 GB/s (pread and xxh3 release the GIL), less than a GPU student takes. With no student, files
-    read ahead are given back (memory freed, the files first in line again). Files are sent in
-    about the order they were queued (readers finish out of order).
+    thread takes them with `load_next`, which never blocks. Several readers because one reads and
+    hashes at ~2 GB/s (pread and xxh3 release the GIL), less than a GPU student takes. With no
+    student, files read ahead are given back (memory freed, the files first in line again). Files
+    are sent in about the order they were queued (readers finish out of order).
     """
 
     def __init__(self, cfg: SpoolConfig, budget: Budget, alloc: Alloc | None = None, free_slot=None):

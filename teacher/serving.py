@@ -152,7 +152,7 @@ class _Watch:
         self.last_rate = (now, len(committed))
         self.last_print = now
         read_s = st.get("replay_read_s", 0.0)
-        busy = (read_s - self.last_read_s) / max(now - t_prev, 1e-9) / max(self.r.spool.readers, 1)
+        busy = (read_s - self.last_read_s) / max(now - t_prev, 1e-9) / self.r.spool.readers
         self.last_read_s = read_s
         idle_s = now - self.last_progress
         waiting = f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
