@@ -430,9 +430,7 @@ def test_spool_folder_full_blocks_the_producer(procs, tmp_path, tiny_teacher, te
 
     def watch():
         while not stop.wait(0.05):
-            peak[0] = max(
-                peak[0], sum(p.stat().st_size for p in spool_dir.glob("*.safetensors") if p.exists())
-            )
+            peak[0] = max(peak[0], faults.spool_bytes(spool_dir))
 
     w = threading.Thread(target=watch, daemon=True)
     t0 = time.monotonic()

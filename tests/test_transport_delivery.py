@@ -12,13 +12,13 @@ import time
 import msgpack
 import torch
 import zmq
+from faults import spool_bytes
 from waiting import wait_until
 
 from distill import protocol as P
 from distill.config import SpoolConfig, TransportConfig
 from distill.journal import Journal, JournalTail
 from distill.protocol import Sample
-from distill.spool import list_spool
 from distill.transport import Publisher, Subscriber, TeacherGone, TransportError
 
 
@@ -263,7 +263,7 @@ def test_full_spool_blocks_the_producer_until_students_take_samples(tmp_path):
         peak = 0
         t_end = time.monotonic() + 1.0
         while time.monotonic() < t_end:  # no student yet: the producer must be blocked
-            peak = max(peak, sum(p.stat().st_size for p in list_spool(spool.dir) if p.exists()))
+            peak = max(peak, spool_bytes(spool.dir))
             time.sleep(0.01)
         assert not done.is_set(), "the producer wrote past spool.max_bytes"
         assert pub.stats()["spool_full_waits"] >= 1
@@ -274,7 +274,7 @@ def test_full_spool_blocks_the_producer_until_students_take_samples(tmp_path):
                 assert s is not None, pub.stats()
                 keys.append(s.key)
                 sub.ack(s)
-                peak = max(peak, sum(p.stat().st_size for p in list_spool(spool.dir) if p.exists()))
+                peak = max(peak, spool_bytes(spool.dir))
         assert done.wait(10)
         assert sorted(keys) == [f"k{i:03d}" for i in range(10)]
         assert peak <= spool.max_bytes + one, (peak, spool.max_bytes)
