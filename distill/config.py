@@ -73,7 +73,9 @@ class TransportConfig(Strict):
     # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),
     # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).
     shm: Literal["auto", "on", "off"] = "auto"
-    # Size of the teacher's shared-memory ring (a sparse file in /dev/shm).
+    # Size of the teacher's shared-memory ring (a sparse file in /dev/shm). It holds the samples in
+    # flight to same-host students and the spool files read ahead; a sample that finds no room goes
+    # to its student in frames (counted in shm_full, said once).
     shm_bytes: int = Field(1 * GiB, gt=0)
     shm_dir: str = "/dev/shm"
     # Payload checksum: computed once per sample by the producer (connector sender thread), carried

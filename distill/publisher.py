@@ -82,6 +82,7 @@ class Publisher(StudentSessions):
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
         self._ring: ShmRing | None = None
+        self._ring_full_said = False
         self._journal: Journal | None = None
         self._auth = None  # zmq.auth ThreadAuthenticator (CURVE)
         self.run_id = cfg.run_id  # resolved in start()
@@ -450,14 +451,35 @@ class Publisher(StudentSessions):
     def _to_ring(self, e: Entry) -> None:
         """Copy the sample's tensors into one ring slot and keep only views of it."""
         slot = self.ring_slot({k: (list(t.shape), t.dtype) for k, t in e.sample.tensors.items()})
-        if slot is None:
-            return  # no room in the ring: this sample travels in frames
+        if slot is None:  # no room in the ring: this sample travels in frames
+            self._ring_full(e)
+            return
         for k, t in e.sample.tensors.items():
             if t.numel():
                 slot.tensors[k].copy_(t)
         e.shm = (slot.offset, slot.offsets, slot.stamp)
         e.sample.tensors = dict(slot.tensors)  # the original tensors can be freed now
         self._budget.count("shm_samples")
+
+    def _ring_full(self, e: Entry) -> None:
+        """Count a same-host send that fell back to frames; say once why and what to change."""
+        self._budget.count("shm_full")
+        if self._ring_full_said:
+            return
+        self._ring_full_said = True
+        studs = self._students.values()
+        log.warning(
+            "shared-memory ring full (%.1f of %.1f MB in use: %d samples in flight to students, %d "
+            "read ahead from the spool); this %.1f MB sample and the next ones that find no room "
+            "reach same-host students in frames, which is slower (counted in shm_full). Make "
+            "transport.shm_bytes hold the students' credit_samples plus spool.read_ahead samples, "
+            "or lower transport.credit_samples. Said once.",
+            self._ring.used_bytes / 1e6,
+            self.cfg.shm_bytes / 1e6,
+            sum(len(st.inflight) for st in studs),
+            self._spooler.ready(),
+            e.nbytes / 1e6,
+        )
 
     def _check_done(self) -> None:
         with self._lock:
@@ -499,6 +521,8 @@ _ZERO_STATS = (
     "replayed",
     "bytes_sent",
     "late_acks",
+    "shm_samples",
+    "shm_full",
 )
 
 

@@ -156,6 +156,8 @@ class _Watch:
         self.last_read_s = read_s
         idle_s = now - self.last_progress
         waiting = f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
+        if st.get("shm_full"):
+            waiting = f", ring full {st['shm_full']}x" + waiting
         say(
             f"serving: committed {len(committed)}/{len(self.required)}, "
             f"in spool {len(list_spool(self.r.spool_dir))}, in flight {st.get('inflight', 0)}, "

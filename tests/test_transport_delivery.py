@@ -413,3 +413,36 @@ def test_header_size_limit_comes_from_the_config(tmp_path):
         raw.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "k": P.HEARTBEAT, "name": "z" * 20_000}))
         assert wait_until(lambda: pub.stats()["rejected_by_reason"].get("header_too_large", 0) == 1, 10)
         raw.close()
+
+
+def test_full_ring_sends_in_frames_counts_and_says_so_once(tmp_path, caplog):
+    """A ring of three slots and a student with credit for six: three samples go through the ring,
+    three in frames with the same bytes; the publisher counts them (shm_full) and logs the reason
+    once. Once the student acks, the ring takes samples again."""
+    cfg = _cfg(tmp_path, shm="on", credit_samples=6, shm_bytes=3 * 4096)
+    caplog.set_level("WARNING", logger="distill.transport")
+    with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(cfg) as sub:
+        for i in range(6):
+            pub.submit(_sample(i))
+        got = []
+        while len(got) < 6:
+            s = sub.get(timeout=10)
+            assert s is not None, pub.stats()
+            got.append(s)
+        for s in got:
+            i = int(s.key[1:])
+            assert sub.valid(s)
+            assert torch.equal(s.tensors["hidden_states"], torch.full((64, 1, 8), float(i)))
+            assert torch.equal(s.tensors["token_ids"], torch.arange(64) + 100 * i)
+        via_ring = sub.stats()["shm_samples"]
+        assert via_ring == 3, sub.stats()
+        assert pub.stats()["shm_full"] == 3, pub.stats()
+        said = [r.getMessage() for r in caplog.records if "shared-memory ring full" in r.getMessage()]
+        assert len(said) == 1 and "transport.shm_bytes" in said[0], said
+        sub.ack(got)
+        assert wait_until(lambda: pub.stats()["acked"] == 6, 10), pub.stats()
+        pub.submit(_sample(6))
+        s = sub.get(timeout=10)
+        assert s is not None and s.key == "k006"
+        assert sub.stats()["shm_samples"] == 4 and pub.stats()["shm_full"] == 3
+        sub.ack(s)
