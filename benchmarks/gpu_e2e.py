@@ -647,6 +647,7 @@ def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res:
         read_results(args, aw, sub, expected)
         shutil.rmtree(aspool, ignore_errors=True)
         figures = {k: sub.get(k) for k in ALONE_KEYS}
+        figures.update(ring_full(aw / "teacher.log"))
         runs.append({"variant": variant or "defaults", **figures})
         log(
             f"alone [{runs[-1]['variant']}]: student {figures['student_tok_s']} tok/s, trained {figures['samples_trained']}"
@@ -659,6 +660,17 @@ def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res:
     res["alone_runs"] = runs
     shutil.rmtree(src_spool, ignore_errors=True)
     return first
+
+
+def ring_full(teacher_log: Path) -> dict:
+    """Whether the serving teacher's shared-memory ring ran out of room: its one warning, and the
+    largest count of same-host sends in frames its serve lines showed ("ring full Nx")."""
+    text = teacher_log.read_text(errors="replace") if teacher_log.exists() else ""
+    counts = [int(n) for n in re.findall(r"ring full (\d+)x", text)]
+    return {
+        "teacher_ring_full_said": "shared-memory ring full (" in text,
+        "teacher_ring_full_sends_seen": max(counts, default=0),
+    }
 
 
 def progress_note(work: Path) -> str:
