@@ -186,8 +186,7 @@ class Publisher(StudentSessions):
             "stream:<teacher id>:<seq>" when the sample is held in memory for a student, or the
             path of the spool file it was written to.
         """
-        if self._error is not None:
-            raise TransportError(f"publisher I/O thread failed: {self._error!r}")
+        self.check()
         _check_sample(sample, slot)
         # The configured digest, once, on the producer's thread; carried everywhere (header, spool).
         if self.cfg.checksum == "crc32" and sample.crc is None:
@@ -258,6 +257,12 @@ class Publisher(StudentSessions):
         """Replay these spool files to students too (e.g. written by another process)."""
         self._spooler.add_files(paths)
         self._wake.set()
+
+    def check(self) -> None:
+        """Raise TransportError when the I/O thread has failed: nothing is sent, received or
+        spooled any more (what it held is written to the spool by `close`)."""
+        if self._error is not None:
+            raise TransportError(f"publisher I/O thread failed: {self._error!r}")
 
     def close_input(self) -> None:
         """The producer is done: students get DRAIN once nothing waits (END per `auto_end`)."""

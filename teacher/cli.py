@@ -27,7 +27,8 @@ key, field, text, chat messages, token ids; with on_too_long=fail also the lengt
 lock or the endpoints is checked before vLLM is imported (one line each, exit 2).
 
 Exit codes: 0 every sample committed (after_generation=exit: everything generated and spooled);
-1 the vLLM engine died, or samples are missing (one line with counts; END is never sent); 2 config
+1 the vLLM engine died, the serve phase's publisher failed, or samples are missing (one line with
+counts and the command that finishes the job; END is never sent); 2 config
 or usage error (before vLLM starts); 3 no student progress for `teacher.student_wait_s` with
 samples left (they are in the spool; the printed command finishes the job); 4 finished as 0 but
 dataset rows were skipped (teacher.on_bad_row / on_too_long: skip; listed in

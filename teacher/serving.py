@@ -19,7 +19,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
 
     Returns ("done" | "lost" | "gone" | "signal", keys to generate again).
     """
-    from distill.transport import Publisher
+    from distill.transport import Publisher, TransportError
 
     transport = r.transport.model_copy(update={"teacher_id": f"{r.base_tid}-serve{rnd}"})
     phase = {"phase": "serve", "round": rnd, "served": 0, "lost": 0}
@@ -43,6 +43,11 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
             if stop.requested:
                 watch.outcome = "signal"
                 break
+            try:
+                pub.check()  # a failed I/O thread serves nobody: say so now, not after student_wait_s
+            except TransportError as e:
+                watch.outcome = "failed"
+                raise ServeFailed(f"serving stopped: {e}") from None
             watch.step(time.monotonic())
         if watch.outcome == "done":
             _send_end(pub, transport, stop)

@@ -42,7 +42,8 @@ class Stop:
 
 
 class ServeFailed(Exception):
-    """The serve phase could not start its Publisher (or the generate phase its endpoints): exit 1."""
+    """The serve phase could not start its Publisher, or its I/O thread failed while serving (or
+    the generate phase could not bind its endpoints): exit 1, the spool intact."""
 
 
 def say(line: str) -> None:

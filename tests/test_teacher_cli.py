@@ -242,6 +242,73 @@ def test_students_never_come_exit_3_with_the_spool_intact(assets, tmp_path):
     assert (s["exit_code"], s["spooled"], s["committed"], s["reason"]) == (3, 3, 0, "students gone")
 
 
+# The real distill-teacher, with one fault injected into its Publisher (the only mock here): the
+# I/O thread's third send raises, as a bug or an OSError there would.
+_FAILING_SEND = """
+import sys
+from distill.publisher import Publisher
+real, calls = Publisher._send_sample, [0]
+def send(self, st, e):
+    calls[0] += 1
+    if calls[0] == 3:
+        raise RuntimeError("injected fault")
+    return real(self, st, e)
+Publisher._send_sample = send
+from teacher.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_publisher_failing_while_serving_exits_1_at_once_and_a_restart_finishes(assets, tmp_path):
+    """The serve phase's I/O thread dies: the teacher says so in one line and exits 1 within
+    seconds (not after student_wait_s), every uncommitted key still in the spool; the printed
+    command, run again without the fault, trains the rest and exits 0."""
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 6, seed=11)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    _spool_rows(tmp_path / "spool", keys)
+    cfg = _config(tmp_path, model, data, student_wait_s=120, progress_every_s=1)
+    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+    student = _Student(ep)
+    student.start()
+    t = time.monotonic()
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _FAILING_SEND, "--config", str(cfg)],
+            cwd=ROOT, capture_output=True, text=True, timeout=100,
+        )  # fmt: skip
+        took = time.monotonic() - t
+    finally:
+        student.halt.set()
+        student.join(timeout=10)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert took < 60, f"{took:.0f}s: the teacher waited for students instead of stopping"
+    line = [x for x in r.stderr.splitlines() if "serving stopped" in x]
+    assert len(line) == 1, r.stderr[-3000:]
+    assert "publisher I/O thread failed: RuntimeError('injected fault')" in line[0]
+    assert f"Restart to finish: distill-teacher --config {cfg}" in line[0]
+    assert "Traceback" not in r.stderr.split("publisher I/O thread failed")[-1]
+    committed = set((tmp_path / "journal.txt").read_text().split()) & set(keys)
+    spooled = {k for k in keys if (tmp_path / "spool" / spool_name(k)).exists()}
+    assert spooled | committed >= set(keys), "a key is neither committed nor in the spool"
+    assert _summary(cfg)["exit_code"] == 1
+
+    again = _Student(ep)
+    again.start()
+    try:
+        r2 = _run(cfg, timeout=180)
+        again.join(timeout=30)
+    finally:
+        again.halt.set()
+        again.join(timeout=10)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert again.error is None and again.finished
+    assert sorted(again.keys) == sorted(set(keys) - committed), "each key left was trained once"
+    assert set((tmp_path / "journal.txt").read_text().split()) >= set(keys)
+    assert list_spool(tmp_path / "spool") == []
+    assert _summary(cfg)["committed"] == 6
+
+
 # ---------------------------------------------------------------------------------------------
 # Start-up errors: clear, one line, before vLLM starts (no vLLM needed).
 # ---------------------------------------------------------------------------------------------
