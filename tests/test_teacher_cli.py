@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -158,6 +159,28 @@ def _spool_rows(spool: Path, keys: list[str]) -> None:
         )
 
 
+def _spooled_run(tmp_path: Path, model: Path, n: int, seed: int, **teacher) -> tuple[list[str], Path, str]:
+    """A dataset of `n` rows, every row already in the spool, and a run config for it: (keys,
+    config, the teacher's endpoint)."""
+    data = write_tiny_dataset(tmp_path / "d.jsonl", n, seed=seed)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    _spool_rows(tmp_path / "spool", keys)
+    cfg = _config(tmp_path, model, data, **teacher)
+    return keys, cfg, yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+
+
+@contextlib.contextmanager
+def _student(endpoint: str, **kw):
+    """A _Student running beside the block; halted and joined after it."""
+    st = _Student(endpoint, **kw)
+    st.start()
+    try:
+        yield st
+    finally:
+        st.halt.set()
+        st.join(timeout=10)
+
+
 class _Student(threading.Thread):
     """A Subscriber in the test process: acks (= commits) every sample, records keys and END."""
 
@@ -197,19 +220,10 @@ class _Student(threading.Thread):
 
 def test_restart_with_every_key_spooled_serves_the_spool_and_exits_0(assets, tmp_path):
     _, model, _ = assets
-    data = write_tiny_dataset(tmp_path / "d.jsonl", 6, seed=3)
-    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
-    _spool_rows(tmp_path / "spool", keys)
-    cfg = _config(tmp_path, model, data, student_wait_s=120, progress_every_s=1)
-    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
-    student = _Student(ep)
-    student.start()
-    try:
+    keys, cfg, ep = _spooled_run(tmp_path, model, 6, 3, student_wait_s=120, progress_every_s=1)
+    with _student(ep) as student:
         r = _run(cfg, timeout=180)
         student.join(timeout=30)  # END ends it
-    finally:
-        student.halt.set()
-        student.join(timeout=10)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "EngineCore" not in r.stderr  # nothing to generate: vLLM never started
     assert student.error is None and student.finished, "the student got END"
@@ -224,11 +238,8 @@ def test_restart_with_every_key_spooled_serves_the_spool_and_exits_0(assets, tmp
 
 def test_students_never_come_exit_3_with_the_spool_intact(assets, tmp_path):
     _, model, _ = assets
-    data = write_tiny_dataset(tmp_path / "d.jsonl", 3, seed=5)
-    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
-    _spool_rows(tmp_path / "spool", keys)
+    _, cfg, _ = _spooled_run(tmp_path, model, 3, 5, student_wait_s=3, progress_every_s=1)
     before = sorted(p.name for p in list_spool(tmp_path / "spool"))
-    cfg = _config(tmp_path, model, data, student_wait_s=3, progress_every_s=1)
     t = time.monotonic()
     r = _run(cfg, timeout=120)
     assert r.returncode == 3, r.stderr[-3000:]
@@ -264,23 +275,14 @@ def test_publisher_failing_while_serving_exits_1_at_once_and_a_restart_finishes(
     seconds (not after student_wait_s), every uncommitted key still in the spool; the printed
     command, run again without the fault, trains the rest and exits 0."""
     _, model, _ = assets
-    data = write_tiny_dataset(tmp_path / "d.jsonl", 6, seed=11)
-    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
-    _spool_rows(tmp_path / "spool", keys)
-    cfg = _config(tmp_path, model, data, student_wait_s=120, progress_every_s=1)
-    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
-    student = _Student(ep)
-    student.start()
+    keys, cfg, ep = _spooled_run(tmp_path, model, 6, 11, student_wait_s=120, progress_every_s=1)
     t = time.monotonic()
-    try:
+    with _student(ep):
         r = subprocess.run(
             [sys.executable, "-c", _FAILING_SEND, "--config", str(cfg)],
             cwd=ROOT, capture_output=True, text=True, timeout=100,
         )  # fmt: skip
         took = time.monotonic() - t
-    finally:
-        student.halt.set()
-        student.join(timeout=10)
     assert r.returncode == 1, r.stderr[-3000:]
     assert took < 60, f"{took:.0f}s: the teacher waited for students instead of stopping"
     line = [x for x in r.stderr.splitlines() if "serving stopped" in x]
@@ -293,14 +295,9 @@ def test_publisher_failing_while_serving_exits_1_at_once_and_a_restart_finishes(
     assert spooled | committed >= set(keys), "a key is neither committed nor in the spool"
     assert _summary(cfg)["exit_code"] == 1
 
-    again = _Student(ep)
-    again.start()
-    try:
+    with _student(ep) as again:
         r2 = _run(cfg, timeout=180)
-        again.join(timeout=30)
-    finally:
-        again.halt.set()
-        again.join(timeout=10)
+        again.join(timeout=30)  # END ends it
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert again.error is None and again.finished
     assert sorted(again.keys) == sorted(set(keys) - committed), "each key left was trained once"
@@ -529,10 +526,7 @@ def test_sigterm_while_serving_exits_130_with_the_spool_intact(assets, tmp_path)
     import signal
 
     _, model, _ = assets
-    data = write_tiny_dataset(tmp_path / "d.jsonl", 3, seed=6)
-    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
-    _spool_rows(tmp_path / "spool", keys)
-    cfg = _config(tmp_path, model, data, student_wait_s=120, progress_every_s=1)
+    _, cfg, _ = _spooled_run(tmp_path, model, 3, 6, student_wait_s=120, progress_every_s=1)
     teacher = subprocess.Popen(
         [*CLI, "--config", str(cfg)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -560,11 +554,7 @@ def test_keys_lost_while_serving_are_generated_again(assets, tmp_path):
     and the next student gets each of them; then END and exit 0."""
     pytest.importorskip("vllm")
     _, model, _ = assets
-    data = write_tiny_dataset(tmp_path / "d.jsonl", 4, seed=9)
-    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
-    _spool_rows(tmp_path / "spool", keys)
-    cfg = _config(tmp_path, model, data, student_wait_s=120)
-    ep = yaml.safe_load(cfg.read_text())["transport"]["bind"][0]
+    keys, cfg, ep = _spooled_run(tmp_path, model, 4, 9, student_wait_s=120)
     a = _Student(ep, commit_on_ack=False, leave_after=4)
     b = _Student(ep)
     a.start()
