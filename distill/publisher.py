@@ -82,7 +82,7 @@ class Publisher(StudentSessions):
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
         self._ring: ShmRing | None = None
-        self._ring_full_said = False
+        self._ring_full_said: set[str] = set()  # causes of ring-full sends already logged
         self._journal: Journal | None = None
         self._auth = None  # zmq.auth ThreadAuthenticator (CURVE)
         self.run_id = cfg.run_id  # resolved in start()
@@ -467,12 +467,30 @@ class Publisher(StudentSessions):
         self._budget.count("shm_samples")
 
     def _ring_full(self, e: Entry) -> None:
-        """Count a same-host send that fell back to frames; say once why and what to change."""
+        """Count a same-host send that fell back to frames; say once per cause why, and what to
+        change."""
         self._budget.count("shm_full")
-        if self._ring_full_said:
+        cause = "fs" if self._ring.fs_full else "ring"
+        if cause in self._ring_full_said:
             return
-        self._ring_full_said = True
-        studs = self._students.values()
+        self._ring_full_said.add(cause)
+        size_mb = e.nbytes / 1e6
+        if cause == "fs":
+            try:
+                st = os.statvfs(self.cfg.shm_dir)
+                room = (
+                    f"{st.f_bavail * st.f_frsize / 1e6:.0f} of {st.f_blocks * st.f_frsize / 1e6:.0f} MB free"
+                )
+            except OSError as err:
+                room = str(err)
+            log.warning(
+                "no room for a %.1f MB ring slot: the filesystem of %s is full (%s) before the "
+                "%.0f MB ring (transport.shm_bytes) is; such samples reach same-host students in "
+                "frames, which is slower (counted in shm_full). Give %s more room (in a container: "
+                "docker run --shm-size, or --ipc=host) or lower transport.shm_bytes. Said once.",
+                size_mb, self.cfg.shm_dir, room, self.cfg.shm_bytes / 1e6, self.cfg.shm_dir,
+            )  # fmt: skip
+            return
         log.warning(
             "shared-memory ring full (%.1f of %.1f MB in use: %d samples in flight to students, %d "
             "read ahead from the spool); this %.1f MB sample and the next ones that find no room "
@@ -481,9 +499,9 @@ class Publisher(StudentSessions):
             "or lower transport.credit_samples. Said once.",
             self._ring.used_bytes / 1e6,
             self.cfg.shm_bytes / 1e6,
-            sum(len(st.inflight) for st in studs),
+            sum(len(st.inflight) for st in self._students.values()),
             self._spooler.ready(),
-            e.nbytes / 1e6,
+            size_mb,
         )
 
     def _check_done(self) -> None:

@@ -15,6 +15,11 @@ this way instead of training on a slot that now holds another sample.
 Ring files are named `distill-<pid>-<teacher id>.ring`; a teacher removes its own on close, and
 `clean_stale` removes those whose owner pid is gone (a SIGKILLed teacher) at the next start.
 
+The file is sparse: its pages cost memory only once used. Each slot's pages are reserved with
+posix_fallocate before any byte is written, so a tmpfs smaller than the ring (a container's 64 MB
+/dev/shm) makes `alloc` return None (the sample travels in frames) instead of a SIGBUS on the
+first write past the filesystem's end.
+
 Whether a student can use the ring is found out, not assumed: the teacher sends the segment path
 and a random nonce (written at offset 0) in WELCOME; the student maps the file and compares the
 nonce. A student on another host cannot open the file (or reads another nonce) and gets frames.
@@ -102,6 +107,27 @@ def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+class _Backed:
+    """Byte ranges of the ring file whose pages are reserved (posix_fallocate), as sorted disjoint
+    intervals. Never shrinks: freed slots keep their pages for the next sample."""
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def covers(self, a: int, b: int) -> bool:
+        i = bisect.bisect_right(self.starts, a) - 1
+        return i >= 0 and self.ends[i] >= b
+
+    def add(self, a: int, b: int) -> None:
+        i = bisect.bisect_left(self.ends, a)  # the first interval ending at or after a
+        j = bisect.bisect_right(self.starts, b)  # past the last one starting at or before b
+        if i < j:
+            a, b = min(a, self.starts[i]), max(b, self.ends[j - 1])
+        self.starts[i:j] = [a]
+        self.ends[i:j] = [b]
+
+
 class ShmRing:
     """A first-fit allocator over one shared-memory file (teacher side)."""
 
@@ -109,17 +135,23 @@ class ShmRing:
         self.path = Path(directory) / name
         self.size = _round_up(size) + HEADER
         self.nonce = secrets.token_hex(16)
-        fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, self.size)  # sparse: pages cost memory only once written
-            self._mm = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
+            os.ftruncate(self._fd, self.size)  # sparse: pages cost memory only once reserved
+            os.posix_fallocate(self._fd, 0, HEADER)  # OSError (no space) before any write
+            self._mm = mmap.mmap(self._fd, self.size)
+        except BaseException:
+            os.close(self._fd)
+            self.path.unlink(missing_ok=True)
+            raise
         self._mm[: len(self.nonce)] = self.nonce.encode()
         self.view = memoryview(self._mm)
         # Free list of (offset, length), sorted by offset, coalesced on free.
         self._free: list[tuple[int, int]] = [(HEADER, self.size - HEADER)]
         self._used: dict[int, int] = {}  # offset -> length of allocated slot
+        self._backed = _Backed()
+        self._backed.add(0, HEADER)
+        self.fs_full = 0  # allocations refused because the filesystem had no pages left
         self._lock = threading.Lock()
 
     @property
@@ -127,7 +159,8 @@ class ShmRing:
         return sum(self._used.values())
 
     def alloc(self, nbytes: int) -> int | None:
-        """Offset of a free slot of at least `nbytes`, or None when the ring has no room."""
+        """Offset of a free slot of at least `nbytes` whose pages are reserved, or None when the
+        ring (or the filesystem under it: `fs_full` counts those) has no room."""
         need = _round_up(max(nbytes, 1))
         with self._lock:
             for i, (off, length) in enumerate(self._free):
@@ -137,8 +170,18 @@ class ShmRing:
                     else:
                         self._free[i] = (off + need, length - need)
                     self._used[off] = need
-                    return off
-        return None
+                    break
+            else:
+                return None
+            if not self._backed.covers(off, off + need):
+                try:
+                    os.posix_fallocate(self._fd, off, need)
+                except OSError:
+                    self._release(off)
+                    self.fs_full += 1
+                    return None
+                self._backed.add(off, off + need)
+            return off
 
     def slot(self, specs: dict[str, tuple[list[int], torch.dtype]], stamp: int) -> RingSlot | None:
         """A slot for tensors of these (shape, dtype), stamped `stamp`, as writable tensor views; None
@@ -164,16 +207,20 @@ class ShmRing:
     def free(self, off: int) -> None:
         self.set_stamp(off, 0)  # readers holding this slot's samples see it is no longer theirs
         with self._lock:
-            length = self._used.pop(off)
-            i = bisect.bisect_left(self._free, (off, 0))
-            self._free.insert(i, (off, length))
-            # Coalesce with the next and previous free ranges.
-            if i + 1 < len(self._free) and off + length == self._free[i + 1][0]:
-                self._free[i] = (off, length + self._free[i + 1][1])
-                self._free.pop(i + 1)
-            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
-                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
-                self._free.pop(i)
+            self._release(off)
+
+    def _release(self, off: int) -> None:
+        """(Under the lock) The slot at `off` goes back to the free list."""
+        length = self._used.pop(off)
+        i = bisect.bisect_left(self._free, (off, 0))
+        self._free.insert(i, (off, length))
+        # Coalesce with the next and previous free ranges.
+        if i + 1 < len(self._free) and off + length == self._free[i + 1][0]:
+            self._free[i] = (off, length + self._free[i + 1][1])
+            self._free.pop(i + 1)
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            self._free.pop(i)
 
     def close(self) -> None:
         try:
@@ -181,6 +228,9 @@ class ShmRing:
             self._mm.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         self.path.unlink(missing_ok=True)
 
 

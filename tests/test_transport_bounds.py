@@ -170,3 +170,90 @@ def test_student_remembers_a_bounded_window_of_acked_keys(tmp_path):
         assert sorted(got) == sorted(f"k{i}" for i in range(20))
         assert list(sub._consumed) == got[-5:]
         assert _wait(lambda: pub.stats()["acked"] == 20)
+
+
+def test_backed_ranges_merge_and_cover():
+    """The ring's record of reserved pages: adjacent and overlapping ranges merge; a range is
+    covered only when one reserved range holds all of it."""
+    from distill.shm import _Backed
+
+    b = _Backed()
+    b.add(0, 4096)
+    b.add(8192, 12288)
+    assert b.covers(0, 4096) and b.covers(8192, 12288)
+    assert not b.covers(0, 8192) and not b.covers(4096, 8192) and not b.covers(8192, 16384)
+    b.add(4096, 8192)  # fills the gap: one range
+    assert (b.starts, b.ends) == ([0], [12288]) and b.covers(100, 12000)
+    b.add(20000, 30000)
+    b.add(10000, 21000)  # overlaps both ends
+    assert (b.starts, b.ends) == ([0], [30000])
+
+
+_SMALL_TMPFS = r"""
+import logging, sys, time, torch
+from distill.config import SpoolConfig, TransportConfig
+from distill.protocol import Sample
+from distill.transport import Publisher, Subscriber
+
+logging.basicConfig(level=logging.WARNING)
+d = sys.argv[1]
+ep = f"ipc://{d}/t.sock"
+cfg = TransportConfig(bind=[ep], connect=[ep], shm_dir=d, shm="on", shm_bytes=64 << 20, credit_samples=20)
+
+def sample(i):
+    return Sample(key=f"k{i:03d}", tensors={"hidden_states": torch.full((256, 1, 1024), float(i))}, layers=[1])
+
+with Publisher(cfg, SpoolConfig(dir=sys.argv[2])) as pub, Subscriber(cfg) as sub:
+    for n in (20, 5):  # 20 MB against an 8 MB tmpfs; then 5 more once the first 20 are acked
+        base = sub.stats().get("received", 0)
+        for i in range(base, base + n):
+            pub.submit(sample(i))
+        got = []
+        while len(got) < n:
+            s = sub.get(timeout=10)
+            assert s is not None, pub.stats()
+            assert sub.valid(s) and torch.equal(s.tensors["hidden_states"], sample(int(s.key[1:])).tensors["hidden_states"])
+            got.append(s)
+        print("round", n, "ring", sub.stats()["shm_samples"], "frames", pub.stats()["shm_full"], flush=True)
+        sub.ack(got)
+        t_end = time.monotonic() + 10
+        while pub.stats()["acked"] < base + n:
+            assert time.monotonic() < t_end, pub.stats()
+            time.sleep(0.01)
+"""
+
+
+def test_a_tmpfs_smaller_than_the_ring_sends_frames_instead_of_crashing(tmp_path):
+    """A container's /dev/shm is often 64 MB, smaller than the 1 GiB default ring. The ring file is
+    sparse, so without reserving pages the teacher's first write past the tmpfs's end is a SIGBUS.
+    Here a real 8 MB tmpfs (a mount namespace of its own) under a 64 MB ring: the samples that find
+    no pages go in frames with the same bytes, the teacher says why once, the process exits 0, and
+    once acked the reserved slots carry samples again."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        import pytest
+
+        pytest.skip("needs root and unshare to mount a small tmpfs in a mount namespace of its own")
+    script = tmp_path / "small_tmpfs.py"
+    script.write_text(_SMALL_TMPFS)
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=8m tmpfs "$1" && exec "$2" "$3" "$1" "$4"', "sh",
+         str(mnt), sys.executable, str(script), str(tmp_path / "spool")],
+        capture_output=True, text=True, timeout=120, cwd=os.getcwd(),
+    )  # fmt: skip
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    rounds = [line.split() for line in r.stdout.splitlines() if line.startswith("round")]
+    assert len(rounds) == 2, r.stdout
+    ring1, frames1 = int(rounds[0][3]), int(rounds[0][5])
+    ring2, frames2 = int(rounds[1][3]), int(rounds[1][5])
+    assert ring1 > 0 and frames1 > 0 and ring1 + frames1 == 20, rounds
+    assert ring2 - ring1 == 5 and frames2 == frames1, "the reserved slots are used again after acks"
+    said = [x for x in r.stderr.splitlines() if "is full" in x]
+    assert len(said) == 1 and "docker run --shm-size" in said[0], r.stderr[-3000:]
