@@ -310,8 +310,19 @@ class Publisher(StudentSessions):
             leftovers.extend(st.inflight.values())
         self._inbox.clear()
         self._pending.clear()
+        unsaved, why = 0, None
         for e in leftovers:
-            self._spooler.write_leftover(e)
+            try:
+                self._spooler.write_leftover(e)
+            except TransportError as err:  # the spool's filesystem is full
+                unsaved, why = unsaved + 1, err
+        if unsaved:
+            log.warning(
+                "%d samples held in memory could not be spooled at close (%s); they are not "
+                "committed, so the next run generates them again",
+                unsaved,
+                why,
+            )
         if self._ring is not None:
             self._ring.close()
         self._close_journal()

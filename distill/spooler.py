@@ -6,13 +6,16 @@ removed when acked). Used by distill/publisher.py."""
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
 
 from distill.config import SpoolConfig
+from distill.iothread import TransportError
 from distill.protocol import Sample
 from distill.spool import Alloc, read_spool_into, remove_spool_file, write_sample
 from distill.students import Entry
@@ -61,6 +64,14 @@ class Budget:
             s["rejected"] = sum(self.rejected.values())
             s["rejected_by_reason"] = dict(self.rejected)
         return s
+
+
+def _no_space(err: Exception) -> bool:
+    """A full filesystem: an OSError from Python, or safetensors' own error (its Rust writer
+    reports the errno only in the message)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(f"(os error {n})" in str(err) for n in (errno.ENOSPC, errno.EDQUOT))
 
 
 class Spooler:
@@ -151,11 +162,31 @@ class Spooler:
         """(Under budget.lock) files written since the I/O thread last looked."""
         return bool(self._new)
 
+    def _write(self, sample: Sample) -> Path:
+        """write_sample; a full filesystem becomes one line that says what to change."""
+        try:
+            return write_sample(self.cfg.dir, sample)
+        except Exception as err:
+            if not _no_space(err):
+                raise
+            with self.budget.lock:
+                n = self.budget.counters["spooled"]
+            try:
+                du = shutil.disk_usage(self.cfg.dir)
+                room = f"{du.free / 1e6:.0f} of {du.total / 1e6:.0f} MB free"
+            except OSError:
+                room = "no space left"
+            raise TransportError(
+                f"spool.dir {self.cfg.dir} is full ({room}) after {n} samples spooled by this "
+                "teacher: free space there, or set spool.max_bytes below its free space so that the "
+                "teacher waits for students instead"
+            ) from None
+
     def write(self, sample: Sample, reserved: int) -> Path:
         """(Producer thread) Write `sample` to a spool file; `reserved` bytes of spool_bytes were
         taken for it (corrected to the file's size here)."""
         try:
-            path = write_sample(self.cfg.dir, sample)
+            path = self._write(sample)
             size = path.stat().st_size
         except BaseException:
             self.budget.add(spool=-reserved)
@@ -190,7 +221,7 @@ class Spooler:
     def park(self, e: Entry) -> None:
         """(I/O thread) A sample waiting in memory goes (back) to the spool and is replayed later."""
         if e.spool_path is None:
-            path = write_sample(self.cfg.dir, e.sample)
+            path = self._write(e.sample)
             size = path.stat().st_size
             with self.budget.lock:
                 self.budget.counters["spooled"] += 1
@@ -206,7 +237,7 @@ class Spooler:
     def write_leftover(self, e: Entry) -> None:
         """(Close) A sample in memory that no student acked goes to the spool (never lost)."""
         if e.spool_path is None:
-            write_sample(self.cfg.dir, e.sample)
+            self._write(e.sample)
             with self.budget.lock:
                 self.budget.counters["spooled"] += 1
                 self.budget.counters["spooled_bytes"] += e.nbytes

@@ -223,12 +223,9 @@ with Publisher(cfg, SpoolConfig(dir=sys.argv[2])) as pub, Subscriber(cfg) as sub
 """
 
 
-def test_a_tmpfs_smaller_than_the_ring_sends_frames_instead_of_crashing(tmp_path):
-    """A container's /dev/shm is often 64 MB, smaller than the 1 GiB default ring. The ring file is
-    sparse, so without reserving pages the teacher's first write past the tmpfs's end is a SIGBUS.
-    Here a real 8 MB tmpfs (a mount namespace of its own) under a 64 MB ring: the samples that find
-    no pages go in frames with the same bytes, the teacher says why once, the process exits 0, and
-    once acked the reserved slots carry samples again."""
+def _in_small_tmpfs(tmp_path, script: str, *args: str):
+    """Run `script` with python in a mount namespace of its own, with a real 8 MB tmpfs mounted
+    on tmp_path/small (passed as the first argument); skip where that cannot be done."""
     import os
     import shutil
     import subprocess
@@ -238,16 +235,25 @@ def test_a_tmpfs_smaller_than_the_ring_sends_frames_instead_of_crashing(tmp_path
         import pytest
 
         pytest.skip("needs root and unshare to mount a small tmpfs in a mount namespace of its own")
-    script = tmp_path / "small_tmpfs.py"
-    script.write_text(_SMALL_TMPFS)
-    mnt = tmp_path / "shm"
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(
+    return subprocess.run(
         ["unshare", "-m", "--propagation", "private", "sh", "-c",
-         'mount -t tmpfs -o size=8m tmpfs "$1" && exec "$2" "$3" "$1" "$4"', "sh",
-         str(mnt), sys.executable, str(script), str(tmp_path / "spool")],
+         'mount -t tmpfs -o size=8m tmpfs "$1" && shift && exec "$@"', "sh",
+         str(mnt), sys.executable, str(path), str(mnt), *args],
         capture_output=True, text=True, timeout=120, cwd=os.getcwd(),
     )  # fmt: skip
+
+
+def test_a_tmpfs_smaller_than_the_ring_sends_frames_instead_of_crashing(tmp_path):
+    """A container's /dev/shm is often 64 MB, smaller than the 1 GiB default ring. The ring file is
+    sparse, so without reserving pages the teacher's first write past the tmpfs's end is a SIGBUS.
+    Here a real 8 MB tmpfs under a 64 MB ring: the samples that find no pages go in frames with the
+    same bytes, the teacher says why once, the process exits 0, and once acked the reserved slots
+    carry samples again."""
+    r = _in_small_tmpfs(tmp_path, _SMALL_TMPFS, str(tmp_path / "spool"))
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     rounds = [line.split() for line in r.stdout.splitlines() if line.startswith("round")]
     assert len(rounds) == 2, r.stdout
@@ -257,3 +263,41 @@ def test_a_tmpfs_smaller_than_the_ring_sends_frames_instead_of_crashing(tmp_path
     assert ring2 - ring1 == 5 and frames2 == frames1, "the reserved slots are used again after acks"
     said = [x for x in r.stderr.splitlines() if "is full" in x]
     assert len(said) == 1 and "docker run --shm-size" in said[0], r.stderr[-3000:]
+
+
+_FULL_SPOOL_DISK = r"""
+import os, sys, torch
+from distill.config import SpoolConfig, TransportConfig
+from distill.protocol import Sample
+from distill.transport import Publisher, TransportError
+
+d = sys.argv[1]
+ep = f"ipc://{sys.argv[2]}/t.sock"
+cfg = TransportConfig(bind=[ep], shm="off", connect_timeout_s=0.0)  # nobody connects: spool at once
+pub = Publisher(cfg, SpoolConfig(dir=d)).start()
+placed = 0
+try:
+    for i in range(20):  # 20 x 1 MB into 8 MB
+        pub.submit(Sample(key=f"k{i:03d}", tensors={"hidden_states": torch.full((256, 1, 1024), float(i))}))
+        placed += 1
+except TransportError as e:
+    print("error", e, flush=True)
+pub.close()
+print("placed", placed, "files", sorted(os.listdir(d)), flush=True)
+"""
+
+
+def test_a_full_spool_filesystem_is_one_line_and_leaves_no_partial_file(tmp_path):
+    """spool.max_bytes unset and the spool's filesystem (a real 8 MB tmpfs) full: submit raises a
+    TransportError that names the folder and spool.max_bytes; every sample it accepted is a whole
+    file, no temporary file is left, and close() still works."""
+    r = _in_small_tmpfs(tmp_path, _FULL_SPOOL_DISK, str(tmp_path))
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    err = [x for x in r.stdout.splitlines() if x.startswith("error")]
+    assert len(err) == 1 and "is full" in err[0] and "spool.max_bytes" in err[0], r.stdout + r.stderr[-2000:]
+    placed_line = [x for x in r.stdout.splitlines() if x.startswith("placed")][0]
+    placed = int(placed_line.split()[1])
+    names = eval(placed_line.split(" files ", 1)[1])  # a list literal printed by the script
+    assert 0 < placed < 20
+    assert len([n for n in names if n.endswith(".safetensors")]) == placed, names
+    assert not [n for n in names if n.endswith(".tmp") or n.startswith(".")], names
