@@ -62,6 +62,7 @@ import itertools
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -110,9 +111,9 @@ def run(
     except EngineDied as e:
         st = r.state()
         say(
-            f"the vLLM engine died ({e}); {st['not_committed']} of {st['total']} samples not committed "
-            f"({st['spooled']} in the spool {r.spool_dir}, {st['missing']} to generate); no END was sent. "
-            f"Restart to finish: {command}"
+            f"the vLLM engine died ({e}){spool_space_hint(r.spool_dir)}; {st['not_committed']} of "
+            f"{st['total']} samples not committed ({st['spooled']} in the spool {r.spool_dir}, "
+            f"{st['missing']} to generate); no END was sent. Restart to finish: {command}"
         )
         return r.finish(EXIT_MISSING, f"engine died: {e}")
     except ServeFailed as e:
@@ -192,6 +193,22 @@ def rounds(r: Run, stop: Stop) -> int:
             return keeps_getting_lost(r)
         rnd += 1
         regenerate = True
+
+
+def spool_space_hint(spool_dir) -> str:
+    """The likely cause when the engine died with spool.dir's filesystem (nearly) full: the
+    connector's spool write failed in vLLM's worker, whose message only the log above shows."""
+    try:
+        du = shutil.disk_usage(spool_dir)
+    except OSError:
+        return ""
+    if du.free >= max(64e6, 0.005 * du.total):
+        return ""
+    return (
+        f", and spool.dir {spool_dir} is full ({du.free / 1e6:.0f} of {du.total / 1e6:.0f} MB free): "
+        "the likely cause. Free space there, or set spool.max_bytes below its free space so that the "
+        "teacher waits for students instead"
+    )
 
 
 def interrupted(r: Run, reason: str = "signal") -> int:

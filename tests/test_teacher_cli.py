@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -615,6 +617,43 @@ def _engine_core(pid: int):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_spool_filesystem_full_exits_1_naming_it_and_a_restart_with_room_finishes(assets, tmp_path):
+    """spool.dir on a real 200 kB tmpfs (a mount namespace of its own), no spool.max_bytes, nobody
+    connected: the connector's spool write fails in vLLM's worker and the engine dies. The one
+    line says the spool's filesystem is full and what to set; no partial file is left. With the
+    tmpfs grown to 64 MB, the same command spools every sample and exits 0."""
+    pytest.importorskip("vllm")
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare to mount a small tmpfs in a mount namespace of its own")
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 12, seed=21)
+    cfg = _config(tmp_path, model, data, after_generation="exit")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    cli = shlex.join([*CLI, "--config", str(cfg)])
+    script = (
+        f"mount -t tmpfs -o size=200k tmpfs {spool} || exit 90; "
+        f"{cli}; echo FIRST_RC=$?; ls -a {spool}; echo LISTED; "
+        f"mount -o remount,size=64m {spool} || exit 91; {cli}; echo SECOND_RC=$?; ls {spool}"
+    )
+    r = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "FIRST_RC=1" in r.stdout and "SECOND_RC=0" in r.stdout, out[-4000:]
+    died = [x for x in r.stderr.splitlines() if x.startswith("distill-teacher: the vLLM engine died")]
+    assert len(died) == 1, out[-4000:]
+    assert f"spool.dir {spool} is full" in died[0] and "spool.max_bytes" in died[0], died[0]
+    assert f"Restart to finish: distill-teacher --config {cfg}" in died[0]
+    first = r.stdout.split("FIRST_RC=1", 1)[1].split("LISTED", 1)[0].split()
+    assert not [n for n in first if n.endswith(".tmp")], first  # whole files only
+    second = r.stdout.split("SECOND_RC=0", 1)[1].split()
+    assert len([n for n in second if n.endswith(".safetensors")]) == 12, second
 
 
 @pytest.mark.vllm
