@@ -28,6 +28,7 @@ nonce. A student on another host cannot open the file (or reads another nonce) a
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import math
 import mmap
@@ -138,7 +139,13 @@ class ShmRing:
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(self._fd, self.size)  # sparse: pages cost memory only once reserved
-            os.posix_fallocate(self._fd, 0, HEADER)  # OSError (no space) before any write
+            try:
+                os.posix_fallocate(self._fd, 0, HEADER)  # no space: OSError here, not SIGBUS later
+                self._reserve = True
+            except OSError as err:
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self._reserve = False  # a filesystem without fallocate: a plain sparse file
             self._mm = mmap.mmap(self._fd, self.size)
         except BaseException:
             os.close(self._fd)
@@ -173,13 +180,17 @@ class ShmRing:
                     break
             else:
                 return None
-            if not self._backed.covers(off, off + need):
+            if self._reserve and not self._backed.covers(off, off + need):
                 try:
                     os.posix_fallocate(self._fd, off, need)
-                except OSError:
-                    self._release(off)
-                    self.fs_full += 1
-                    return None
+                except OSError as err:
+                    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                        self._release(off)
+                        self.fs_full += 1
+                        return None
+                    # A filesystem without fallocate: write unreserved, as a plain sparse file.
+                    log.warning("cannot reserve ring pages in %s (%s); writing unreserved", self.path, err)
+                    self._reserve = False
                 self._backed.add(off, off + need)
             return off
 
