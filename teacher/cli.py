@@ -85,6 +85,7 @@ from teacher.state import (
     ServeFailed,
     Stop,
     say,
+    spool_bytes,
 )
 
 log = logging.getLogger("distill.teacher")
@@ -221,7 +222,17 @@ def exit_after_generation(r: Run, st: dict) -> int:
     if st["not_committed"] == 0:
         return r.finish(EXIT_OK, "done")
     if st["missing"]:
-        say(f"{st['missing']} samples neither committed nor spooled; run again to generate them: {r.command}")
+        limit, used, n = r.spool.max_bytes, spool_bytes(r.spool_dir), st["spooled"]
+        if limit and n and used + used / n > limit:  # one more sample of the mean size would not fit
+            say(
+                f"{st['missing']} samples neither committed nor spooled: spool.max_bytes ({limit} bytes) "
+                f"is full and no student took samples (after_generation: exit). Raise spool.max_bytes, "
+                f"or serve students while generating, and run again: {r.command}"
+            )
+        else:
+            say(
+                f"{st['missing']} samples neither committed nor spooled; run again to generate them: {r.command}"
+            )
         return r.finish(EXIT_MISSING, "after_generation=exit")
     say(
         f"generation done; {st['spooled']} samples wait in the spool {r.spool_dir} (after_generation: "
