@@ -35,7 +35,7 @@ from distill.protocol import Sample
 from distill.security import router_socket
 from distill.sessions import StudentSessions
 from distill.shm import RingSlot, ShmRing, clean_stale, ring_name
-from distill.spool import list_spool
+from distill.spool import disk_room, list_spool
 from distill.spooler import Budget, Spooler
 from distill.students import Entry, Student, StudentTable
 
@@ -487,19 +487,14 @@ class Publisher(StudentSessions):
         self._ring_full_said.add(cause)
         size_mb = e.nbytes / 1e6
         if cause == "fs":
-            try:
-                st = os.statvfs(self.cfg.shm_dir)
-                room = (
-                    f"{st.f_bavail * st.f_frsize / 1e6:.0f} of {st.f_blocks * st.f_frsize / 1e6:.0f} MB free"
-                )
-            except OSError as err:
-                room = str(err)
+            room = disk_room(self.cfg.shm_dir)
             log.warning(
                 "no room for a %.1f MB ring slot: the filesystem of %s is full (%s) before the "
                 "%.0f MB ring (transport.shm_bytes) is; such samples reach same-host students in "
                 "frames, which is slower (counted in shm_full). Give %s more room (in a container: "
                 "docker run --shm-size, or --ipc=host) or lower transport.shm_bytes. Said once.",
-                size_mb, self.cfg.shm_dir, room, self.cfg.shm_bytes / 1e6, self.cfg.shm_dir,
+                size_mb, self.cfg.shm_dir, room[2] if room else "unreadable", self.cfg.shm_bytes / 1e6,
+                self.cfg.shm_dir,
             )  # fmt: skip
             return
         log.warning(

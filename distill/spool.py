@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -250,6 +251,35 @@ def list_spool(directory: str | os.PathLike) -> list[Path]:
     if not d.is_dir():
         return []
     return sorted(p for p in d.rglob(f"*{SUFFIX}") if not p.name.startswith(".") and p.is_file())
+
+
+def spool_bytes(directory: str | os.PathLike) -> int:
+    """Bytes of the complete spool files in `directory` now (a file acked and removed between the
+    listing and its stat counts 0)."""
+    total = 0
+    for p in list_spool(directory):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+# What to do when spool.dir's filesystem fills up (said by the spooler and by distill-teacher).
+SPOOL_FULL_ADVICE = (
+    "free space there, or set spool.max_bytes below its free space so that the teacher waits for "
+    "students instead"
+)
+
+
+def disk_room(path: str | os.PathLike) -> tuple[int, int, str] | None:
+    """(free bytes, total bytes, "F of T MB free") of the filesystem holding `path`; None when it
+    cannot be read."""
+    try:
+        du = shutil.disk_usage(path)
+    except OSError:
+        return None
+    return du.free, du.total, f"{du.free / 1e6:.0f} of {du.total / 1e6:.0f} MB free"
 
 
 def iter_spool(

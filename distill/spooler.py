@@ -9,7 +9,6 @@ import collections
 import errno
 import logging
 import queue
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,14 @@ from pathlib import Path
 from distill.config import SpoolConfig
 from distill.iothread import TransportError
 from distill.protocol import Sample
-from distill.spool import Alloc, read_spool_into, remove_spool_file, write_sample
+from distill.spool import (
+    SPOOL_FULL_ADVICE,
+    Alloc,
+    disk_room,
+    read_spool_into,
+    remove_spool_file,
+    write_sample,
+)
 from distill.students import Entry
 
 log = logging.getLogger("distill.transport")
@@ -171,15 +177,10 @@ class Spooler:
                 raise
             with self.budget.lock:
                 n = self.budget.counters["spooled"]
-            try:
-                du = shutil.disk_usage(self.cfg.dir)
-                room = f"{du.free / 1e6:.0f} of {du.total / 1e6:.0f} MB free"
-            except OSError:
-                room = "no space left"
+            room = disk_room(self.cfg.dir)
             raise TransportError(
-                f"spool.dir {self.cfg.dir} is full ({room}) after {n} samples spooled by this "
-                "teacher: free space there, or set spool.max_bytes below its free space so that the "
-                "teacher waits for students instead"
+                f"spool.dir {self.cfg.dir} is full ({room[2] if room else 'no space left'}) after {n} "
+                f"samples spooled by this teacher: {SPOOL_FULL_ADVICE}"
             ) from None
 
     def write(self, sample: Sample, reserved: int) -> Path:

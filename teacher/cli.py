@@ -62,12 +62,12 @@ import itertools
 import logging
 import os
 import shlex
-import shutil
 import signal
 import socket
 import sys
 
 from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
+from distill.spool import SPOOL_FULL_ADVICE, disk_room, spool_bytes
 from teacher.config import TeacherConfig, load_teacher_config, model_dtype
 from teacher.data import BadRow
 from teacher.engine import EngineDied
@@ -85,7 +85,6 @@ from teacher.state import (
     ServeFailed,
     Stop,
     say,
-    spool_bytes,
 )
 
 log = logging.getLogger("distill.teacher")
@@ -199,17 +198,10 @@ def rounds(r: Run, stop: Stop) -> int:
 def spool_space_hint(spool_dir) -> str:
     """The likely cause when the engine died with spool.dir's filesystem (nearly) full: the
     connector's spool write failed in vLLM's worker, whose message only the log above shows."""
-    try:
-        du = shutil.disk_usage(spool_dir)
-    except OSError:
+    room = disk_room(spool_dir)
+    if room is None or room[0] >= max(64e6, 0.005 * room[1]):
         return ""
-    if du.free >= max(64e6, 0.005 * du.total):
-        return ""
-    return (
-        f", and spool.dir {spool_dir} is full ({du.free / 1e6:.0f} of {du.total / 1e6:.0f} MB free): "
-        "the likely cause. Free space there, or set spool.max_bytes below its free space so that the "
-        "teacher waits for students instead"
-    )
+    return f", and spool.dir {spool_dir} is full ({room[2]}): the likely cause; {SPOOL_FULL_ADVICE}"
 
 
 def interrupted(r: Run, reason: str = "signal") -> int:

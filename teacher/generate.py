@@ -11,11 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from distill.config import ConfigError
 from distill.journal import JournalTail
+from distill.spool import spool_bytes
 from teacher.config import ConnectorConfig, TeacherConfig, model_config, model_dtype
 from teacher.data import iter_rows
 from teacher.engine import SPOOL_MARGIN_S, EngineDied, EngineWatchdog, build_llm, shutdown_llm
 from teacher.preflight import check_endpoints_free, check_journal_free
-from teacher.state import Run, ServeFailed, Stop, spool_bytes
+from teacher.state import Run, ServeFailed, Stop
 
 log = logging.getLogger("distill.teacher")
 

@@ -160,14 +160,13 @@ class _Watch:
         busy = (read_s - self.last_read_s) / max(now - t_prev, 1e-9) / self.r.spool.readers
         self.last_read_s = read_s
         idle_s = now - self.last_progress
-        waiting = f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
-        if st.get("shm_full"):
-            waiting = f", ring full {st['shm_full']}x" + waiting
+        tail = f", ring full {st['shm_full']}x" if st.get("shm_full") else ""
+        tail += f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
         say(
             f"serving: committed {len(committed)}/{len(self.required)}, "
             f"in spool {len(list_spool(self.r.spool_dir))}, in flight {st.get('inflight', 0)}, "
             f"students {students}, {rate:.1f} samples/s, read ahead {st.get('read_ahead_ready', 0)}, "
-            f"readers busy {100 * busy:.0f}%{waiting}"
+            f"readers busy {100 * busy:.0f}%{tail}"
         )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from distill.config import SpoolConfig, TransportConfig
 from distill.journal import Journal
-from distill.spool import list_spool, spool_name
+from distill.spool import list_spool, spool_bytes, spool_name
 from teacher.config import TeacherConfig
 
 log = logging.getLogger("distill.teacher")
@@ -49,17 +49,6 @@ class ServeFailed(Exception):
 def say(line: str) -> None:
     """One line for the user on stderr (progress, outcome); scripts read the summary JSON."""
     print(f"distill-teacher: {line}", file=sys.stderr, flush=True)
-
-
-def spool_bytes(d: Path) -> int:
-    """Bytes of the spool files in `d` now (files may vanish while counting: acked meanwhile)."""
-    total = 0
-    for p in list_spool(d):
-        try:
-            total += p.stat().st_size
-        except FileNotFoundError:
-            pass
-    return total
 
 
 @dataclass

@@ -30,8 +30,6 @@ from pathlib import Path
 import psutil
 import yaml
 
-from distill.spool import list_spool
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -312,16 +310,6 @@ def spool_keys(d: Path) -> set[str]:
         with contextlib.suppress(Exception):
             out.add(read_spool_file(p).key)
     return out
-
-
-def spool_bytes(d: Path) -> int:
-    """Bytes in the complete spool files under `d` now. The publisher deletes files while this
-    runs (a student acked them), so a file listed and gone before its stat counts 0."""
-    total = 0
-    for p in list_spool(d):
-        with contextlib.suppress(FileNotFoundError):
-            total += p.stat().st_size
-    return total
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ import faults
 import pytest
 from faults import Procs, freeze, rank_tree, tally, thaw, wait_until
 
+from distill.spool import spool_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 BIN = Path(PY).parent
@@ -430,7 +432,7 @@ def test_spool_folder_full_blocks_the_producer(procs, tmp_path, tiny_teacher, te
 
     def watch():
         while not stop.wait(0.05):
-            peak[0] = max(peak[0], faults.spool_bytes(spool_dir))
+            peak[0] = max(peak[0], spool_bytes(spool_dir))
 
     w = threading.Thread(target=watch, daemon=True)
     t0 = time.monotonic()

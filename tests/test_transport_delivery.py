@@ -12,13 +12,13 @@ import time
 import msgpack
 import torch
 import zmq
-from faults import spool_bytes
 from waiting import wait_until
 
 from distill import protocol as P
 from distill.config import SpoolConfig, TransportConfig
 from distill.journal import Journal, JournalTail
 from distill.protocol import Sample
+from distill.spool import spool_bytes
 from distill.transport import Publisher, Subscriber, TeacherGone, TransportError
 
 
