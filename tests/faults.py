@@ -18,6 +18,7 @@ import collections
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -30,9 +31,36 @@ from pathlib import Path
 import psutil
 import yaml
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A tcp port free on `host` now, taken from below the kernel's ephemeral range: a port that
+    bind(0) hands out is closed again before the process under test binds it, and in between any
+    outgoing connection (vLLM's and torch's own sockets) may take it as its source port. Ports below
+    the range are never picked by the kernel. Never the same port twice in one test session."""
+    low = _ephemeral_low()
+    if low > 12000:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(low - 10000, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket() as s:  # a lowered ephemeral range: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -49,9 +48,7 @@ N_SAMPLES = 6
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return faults.free_port()
 
 
 def _frameworks():

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
+import faults
 import pytest
 import torch
 import yaml
@@ -238,9 +238,7 @@ def test_eagle3_layer_ids(chat_model, tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return faults.free_port()
 
 
 def _collect(sub, n: int, timeout_s: float = 120.0) -> dict:

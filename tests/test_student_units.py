@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import faults
 import msgpack
 import pytest
 import torch
@@ -560,9 +561,7 @@ def test_teacher_protocol_version_mismatch_is_a_clear_error(tmp_path, capsys):
 def test_teacher_gone_exits_3_with_one_line_that_says_how_to_finish(tmp_path):
     """No teacher answers for transport.teacher_wait_s: exit code 3 and one line with what was
     trained, where the rest is and the two commands that finish the job."""
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        ep = f"tcp://127.0.0.1:{sk.getsockname()[1]}"  # nobody listens there
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"  # nobody listens there
     transport = {"connect": [ep], "bind": [ep], "teacher_wait_s": 3, "heartbeat_timeout_s": 1}
     proc = run_student(tmp_path, {**TINY_STUDENT, "idle_flush_s": 0.2}, transport)
     assert proc.returncode == 3, proc.stderr[-3000:]

@@ -7,13 +7,13 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import faults
 import pytest
 import yaml
 
@@ -29,9 +29,7 @@ CLI = [sys.executable, "-m", "teacher.cli"]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return faults.free_port()
 
 
 @pytest.fixture(scope="module")

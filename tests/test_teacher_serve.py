@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip("vllm")
+
+import faults  # noqa: E402
 
 from distill.config import TransportConfig  # noqa: E402
 from distill.tiny import build_tiny_model  # noqa: E402
@@ -25,9 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return faults.free_port()
 
 
 def _post(url: str, body: dict) -> dict:
@@ -63,6 +64,7 @@ def test_vllm_serve_streams_requests_to_a_student(tmp_path):
     log = open(tmp_path / "server.log", "w")  # a file, not a pipe: vLLM logs a lot
     server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     sub = Subscriber(TransportConfig(connect=[ep], shm="off", heartbeat_timeout_s=30)).start()
+    engines: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -73,6 +75,7 @@ def test_vllm_serve_streams_requests_to_a_student(tmp_path):
                 break
             except OSError:
                 time.sleep(1)
+        engines = psutil.Process(server.pid).children(recursive=True)  # vLLM's EngineCore
         text = "the teacher streams hidden states to the student"
         resp = _post(
             f"http://127.0.0.1:{http}/v1/completions",
@@ -103,4 +106,10 @@ def test_vllm_serve_streams_requests_to_a_student(tmp_path):
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+        # An EngineCore that outlives its server would hold memory and cores under the next test.
+        for proc in engines:
+            with contextlib.suppress(psutil.Error):
+                proc.wait(timeout=30)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         log.close()

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+import faults  # noqa: E402
 
 from distill.config import SpoolConfig, TransportConfig  # noqa: E402
 from distill.tiny import build_tiny_model, write_tiny_dataset  # noqa: E402
@@ -29,9 +30,7 @@ N_ROWS = 12
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return faults.free_port()
 
 
 @pytest.fixture(scope="module")
