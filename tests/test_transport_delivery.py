@@ -397,7 +397,7 @@ def test_damaged_spool_file_is_set_aside_not_delivered(tmp_path):
         assert s is not None and s.key == "k001" and s.x3 is not None  # the file's, carried on
         sub.ack(s)
         assert sub.get(timeout=1.0) is None
-        assert pub.stats()["rejected_by_reason"].get("spool_file") == 1
+        assert wait_until(lambda: pub.stats()["rejected_by_reason"].get("spool_file") == 1, 10), pub.stats()
     assert not good.exists() and not bad.exists() and bad.with_name(bad.name + ".corrupt").exists()
 
 
