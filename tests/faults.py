@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,6 +64,33 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # a lowered ephemeral range: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def host_pressure(endpoint: str = "") -> str:
+    """One line on what a process starting now competes with, for a test whose engine did not
+    start: memory available, /dev/shm free, other vLLM engines alive, and whether `endpoint`'s tcp
+    port is taken."""
+    vm = psutil.virtual_memory()
+    parts = [f"memory available {vm.available >> 20} MiB of {vm.total >> 20}"]
+    with contextlib.suppress(OSError):
+        du = shutil.disk_usage("/dev/shm")
+        parts.append(f"/dev/shm free {du.free >> 20} MiB of {du.total >> 20}")
+    engines = []
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            text = " ".join([proc.info["name"] or "", *(proc.info["cmdline"] or [])])
+            if "EngineCore" in text or "VLLM::" in text:
+                engines.append(proc.info["pid"])
+    parts.append(f"vLLM engine processes alive: {engines or 'none'}")
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        with socket.socket() as s:
+            try:
+                s.bind((host, int(port)))
+                parts.append(f"port {port} free")
+            except OSError as err:
+                parts.append(f"port {port} taken ({err.strerror})")
+    return "; ".join(parts)
 
 
 def wait_until(cond, timeout: float, what: str, poll: float = 0.2, check=None):

@@ -49,7 +49,20 @@ def setup(tmp_path_factory):
     )
     spool = SpoolConfig(dir=str(root / "spool"))
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    llm = LLM(
+    try:
+        llm = _start_llm(LLM, model, transport, spool, root)
+    except Exception as err:  # the engine's own error is in the captured stderr above
+        pytest.fail(f"vLLM did not start ({err}); {faults.host_pressure(ep)}")
+    sub = Subscriber(transport).start()
+    yield {"llm": llm, "model": model, "rows": rows, "sub": sub, "root": root}
+    from teacher.engine import shutdown_llm
+
+    shutdown_llm(llm, timeout_s=20)
+    sub.close()
+
+
+def _start_llm(LLM, model, transport, spool, root):
+    return LLM(
         model=str(model),
         dtype="float32",
         enforce_eager=True,
@@ -66,12 +79,6 @@ def setup(tmp_path_factory):
             },
         ),
     )
-    sub = Subscriber(transport).start()
-    yield {"llm": llm, "model": model, "rows": rows, "sub": sub, "root": root}
-    from teacher.engine import shutdown_llm
-
-    shutdown_llm(llm, timeout_s=20)
-    sub.close()
 
 
 @pytest.fixture(scope="module")
