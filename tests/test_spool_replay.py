@@ -125,9 +125,10 @@ def test_replay_reads_ahead_within_budget_into_the_ring_and_removes_acked_files(
         with Subscriber(cfg) as sub:
             held = [sub.get(timeout=10), sub.get(timeout=10)]  # credit 2: the teacher waits for acks
             assert all(held)
-            time.sleep(0.5)
-            st = pub.stats()
             # in flight (2) + read ahead (the reader threads never pass the budget)
+            assert _wait(lambda: pub.stats()["buffered_bytes"] > 2 * nbytes), pub.stats()
+            time.sleep(0.5)  # the readers had time to overshoot, if they would
+            st = pub.stats()
             assert 2 * nbytes < st["buffered_bytes"] <= budget
             assert st["shm_samples"] >= 2  # replayed straight into ring slots
             sub.ack(held)

@@ -266,7 +266,7 @@ def test_full_spool_blocks_the_producer_until_students_take_samples(tmp_path):
             peak = max(peak, spool_bytes(spool.dir))
             time.sleep(0.01)
         assert not done.is_set(), "the producer wrote past spool.max_bytes"
-        assert pub.stats()["spool_full_waits"] >= 1
+        assert wait_until(lambda: pub.stats()["spool_full_waits"] >= 1, 10), pub.stats()
         keys = []
         with Subscriber(cfg) as sub:
             while len(keys) < 10:
