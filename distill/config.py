@@ -122,7 +122,8 @@ class SpoolConfig(Strict):
     dir: str = "runs/spool"
     # Keep spool files after their sample is acknowledged (default: delete on ack).
     keep: bool = False
-    # Stop spooling (and block the producer) beyond this many bytes on disk; 0 = no limit.
+    # Stop spooling (and block the producer) beyond this many bytes on disk; 0 = no limit. An empty
+    # spool still takes one sample, however large (else that sample would block the teacher for good).
     max_bytes: int = Field(0, ge=0)
     # Replay: threads that read spool files ahead of the sender, and how many files they keep ready
     # (always within transport.max_buffer_bytes). More than one student batch of files ready keeps a

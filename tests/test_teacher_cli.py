@@ -656,6 +656,41 @@ def test_spool_filesystem_full_exits_1_naming_it_and_a_restart_with_room_finishe
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_spool_max_bytes_full_and_no_student_exits_1_saying_so_and_more_room_finishes(assets, tmp_path):
+    """after_generation: exit, spool.max_bytes far below the dataset, nobody connected: the sender
+    waits for room that never comes, yet the run ends by itself (vLLM's shutdown grace) with exit 1
+    and a line that names spool.max_bytes instead of 'run again' (which would stop at the same
+    place). The spool stays within the limit (or holds one sample). The same command without the limit generates only
+    the missing rows: every row is then in the spool once."""
+    pytest.importorskip("vllm")
+    _, model, _ = assets
+    data = write_tiny_dataset(tmp_path / "d.jsonl", 24, seed=23)
+    keys = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    cfg = _config(tmp_path, model, data, after_generation="exit")
+    spool = tmp_path / "spool"
+    limit = 100_000
+    r = _run(cfg, f"spool.max_bytes={limit}", timeout=400)
+    assert r.returncode == 1, r.stderr[-3000:]
+    said = [x for x in r.stderr.splitlines() if f"spool.max_bytes ({limit} bytes) is full" in x]
+    assert len(said) == 1, r.stderr[-3000:]
+    assert "no student took samples" in said[0] and "Raise spool.max_bytes" in said[0], said[0]
+    assert f"distill-teacher --config {cfg}" in said[0], said[0]
+    files = list_spool(spool)
+    first = {read_spool_file(f).key for f in files}
+    assert 0 < len(first) < len(keys), first
+    # Within the limit, except that an empty spool takes one sample of any size (else a sample
+    # larger than the limit would block the teacher for good).
+    assert sum(f.stat().st_size for f in files) <= limit or len(files) == 1, [f.stat().st_size for f in files]
+    r = _run(cfg, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = _summary(cfg)
+    assert (s["exit_code"], s["samples"], s["spooled"]) == (0, len(keys) - len(first), len(keys)), s
+    spooled = [read_spool_file(f).key for f in list_spool(spool)]
+    assert sorted(spooled) == sorted(keys)  # each row once; the first run's files kept as they were
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_engine_killed_mid_run_exits_1_and_never_sends_end(assets, tmp_path):
     pytest.importorskip("vllm")
     _, model, _ = assets
