@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import os
 import random
@@ -35,6 +36,7 @@ import yaml
 _HANDED_OUT: set[int] = set()
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -49,9 +51,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     the range are never picked by the kernel. Never the same port twice in one test session."""
     low = _ephemeral_low()
     if low > 12000:
-        rng = random.Random()
         for _ in range(200):
-            port = rng.randrange(low - 10000, low)
+            port = random.randrange(low - 10000, low)
             if port in _HANDED_OUT:
                 continue
             with socket.socket() as s:

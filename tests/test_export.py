@@ -47,10 +47,6 @@ HIDDEN = 128
 N_SAMPLES = 6
 
 
-def _free_port() -> int:
-    return faults.free_port()
-
-
 def _frameworks():
     try:
         import specforge  # noqa: F401
@@ -82,7 +78,7 @@ def teacher_spool(tmp_path_factory):
             "max_tokens": 8,
             "include_output_tokens": True,
         },
-        "transport": {"bind": [f"tcp://127.0.0.1:{_free_port()}"], "connect_timeout_s": 0},
+        "transport": {"bind": [f"tcp://127.0.0.1:{faults.free_port()}"], "connect_timeout_s": 0},
         "spool": {"dir": str(root / "spool")},
     }
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
@@ -514,7 +510,7 @@ def test_teacher_serve_in_spool_mode_is_the_hidden_states_server_for_speculators
     )
     n = len((out / "keys.txt").read_text().splitlines())
 
-    port = _free_port()
+    port = faults.free_port()
     srv_spool = tmp_path / "server-spool"
     extra = {"mode": "spool", "spool": {"dir": str(srv_spool)}}
     cmd = [

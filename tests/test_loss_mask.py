@@ -237,10 +237,6 @@ def test_eagle3_layer_ids(chat_model, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    return faults.free_port()
-
-
 def _collect(sub, n: int, timeout_s: float = 120.0) -> dict:
     got = {}
     deadline = time.monotonic() + timeout_s
@@ -271,7 +267,7 @@ def test_stream_carries_the_loss_mask(chat_model, tmp_path):
     from teacher.config import extraction_engine_args
 
     layer_ids = [4, 1, 3]
-    ep = f"tcp://127.0.0.1:{_free_port()}"
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"
     transport = TransportConfig(bind=[ep], connect=[ep], connect_timeout_s=120, heartbeat_timeout_s=30)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     llm = LLM(
@@ -392,7 +388,7 @@ def test_distill_teacher_spools_the_mask_with_eagle3_layers(tmp_path):
             "after_generation": "exit",
         },
         # No student will connect: the Publisher spools every sample.
-        "transport": {"bind": [f"tcp://127.0.0.1:{_free_port()}"], "connect_timeout_s": 0},
+        "transport": {"bind": [f"tcp://127.0.0.1:{faults.free_port()}"], "connect_timeout_s": 0},
         "spool": {"dir": str(tmp_path / "spool")},
     }
     run = tmp_path / "run.yaml"

@@ -28,10 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "teacher.cli"]
 
 
-def _free_port() -> int:
-    return faults.free_port()
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("teacher_cli")
@@ -41,7 +37,7 @@ def assets(tmp_path_factory):
 
 
 def _config(root: Path, model: Path, data: Path, **teacher) -> Path:
-    port = _free_port()
+    port = faults.free_port()
     cfg = {
         "teacher": {
             "model": str(model),

@@ -27,10 +27,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    return faults.free_port()
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -41,7 +37,7 @@ def test_vllm_serve_streams_requests_to_a_student(tmp_path):
     from transformers import AutoTokenizer
 
     model = build_tiny_model(tmp_path / "tiny")
-    http, zport = _free_port(), _free_port()
+    http, zport = faults.free_port(), faults.free_port()
     ep = f"tcp://127.0.0.1:{zport}"
     extra = {
         "transport": {"bind": [ep], "connect_timeout_s": 120},

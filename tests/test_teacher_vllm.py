@@ -29,10 +29,6 @@ LAYER_IDS = [4, 0, 3, 1]
 N_ROWS = 12
 
 
-def _free_port() -> int:
-    return faults.free_port()
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from vllm import LLM
@@ -42,7 +38,7 @@ def setup(tmp_path_factory):
     rows = [
         json.loads(x) for x in write_tiny_dataset(root / "d.jsonl", N_ROWS, seed=5).read_text().splitlines()
     ]
-    ep = f"tcp://127.0.0.1:{_free_port()}"
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"
     # shm off: the tensor bytes travel in ZeroMQ frames over the TCP socket.
     transport = TransportConfig(
         bind=[ep], connect=[ep], connect_timeout_s=120, heartbeat_timeout_s=30, shm="off"
@@ -50,7 +46,23 @@ def setup(tmp_path_factory):
     spool = SpoolConfig(dir=str(root / "spool"))
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     try:
-        llm = _start_llm(LLM, model, transport, spool, root)
+        llm = LLM(
+            model=str(model),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            enable_chunked_prefill=False,
+            seed=0,
+            **extraction_engine_args(
+                LAYER_IDS,
+                {
+                    "mode": "stream",
+                    "transport": transport.model_dump(),
+                    "spool": spool.model_dump(),
+                    "journal": str(root / "journal.txt"),
+                },
+            ),
+        )
     except Exception as err:  # the engine's own error is in the captured stderr above
         pytest.fail(f"vLLM did not start ({err}); {faults.host_pressure(ep)}")
     sub = Subscriber(transport).start()
@@ -59,26 +71,6 @@ def setup(tmp_path_factory):
 
     shutdown_llm(llm, timeout_s=20)
     sub.close()
-
-
-def _start_llm(LLM, model, transport, spool, root):
-    return LLM(
-        model=str(model),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        enable_chunked_prefill=False,
-        seed=0,
-        **extraction_engine_args(
-            LAYER_IDS,
-            {
-                "mode": "stream",
-                "transport": transport.model_dump(),
-                "spool": spool.model_dump(),
-                "journal": str(root / "journal.txt"),
-            },
-        ),
-    )
 
 
 @pytest.fixture(scope="module")
