@@ -78,13 +78,14 @@ class TransportConfig(Strict):
     # to its student in frames (counted in shm_full, said once).
     shm_bytes: int = Field(1 * GiB, gt=0)
     shm_dir: str = "/dev/shm"
-    # Payload checksum: computed once per sample by the producer (connector sender thread), carried
-    # in the header and the spool file, verified by every receiver (mismatch: rejected, counted,
-    # sent again). xxh3: xxh3-64 (~25 GB/s on one core, releases the GIL), the default. crc32:
-    # zlib's CRC32 (~1.5 GB/s on one core; on an H200 teacher streaming ~1.2 GB/s of hidden states
-    # it cost 30% of the generation rate, BENCHMARKS.md). none: no payload digest on the wire
+    # Payload checksum: computed once per sample on the producer's side, carried in the header and
+    # the spool file, verified by every receiver (mismatch: rejected, counted, sent again).
+    # xxh3-tree (the default): an xxh3-64 of 1 MiB chunk digests; on a CUDA teacher the connector's
+    # copy threads hash each chunk as they copy it out of pinned memory, so nothing is hashed on
+    # the engine's path. xxh3: one xxh3-64 over all bytes, on the connector's sender thread.
+    # crc32: zlib's CRC32 (slow: ~1.5 GB/s on one core). none: no payload digest on the wire
     # (ring-slot stamps still catch stale shared memory; spool files always carry a digest).
-    checksum: Literal["none", "crc32", "xxh3"] = "xxh3"
+    checksum: Literal["none", "crc32", "xxh3", "xxh3-tree"] = "xxh3-tree"
     # Student side: raise glibc's mmap/trim thresholds so large received frames reuse warm heap
     # memory instead of a fresh mmap per sample (distill.transport.tune_malloc).
     tune_malloc: bool = True

@@ -18,10 +18,15 @@ Sample header keys::
     meta    small metadata map (str -> msgpack scalar / list / map)
     crc     optional CRC32 of the tensor bytes, in tensor order (zlib.crc32, unsigned 32-bit)
     x3      optional xxh3-64 of the tensor bytes, in tensor order (seed 0, unsigned 64-bit int;
-            `transport.checksum: xxh3`, the default). Added without a version bump: a receiver
-            that predates it ignores it (decode reads only the keys it knows), so it just goes
-            unchecked there. A header may carry `crc`, `x3`, both or neither; every one present
-            is verified (mismatch: ProtocolError("checksum"))
+            `transport.checksum: xxh3`)
+    x3t     optional xxh3 tree digest (`transport.checksum: xxh3-tree`, the default; version 3):
+            each tensor's bytes, in tensor order, are cut into DIGEST_CHUNK-byte chunks (the last
+            one shorter; an empty tensor has none), each chunk gets its xxh3-64 (seed 0), and
+            `x3t` is the xxh3-64 of those chunk digests written as unsigned 64-bit little-endian
+            integers, in order. The chunks can be hashed in parallel, by the threads that copy
+            them, while their bytes are still in cache (`ChunkDigests`).
+            A header may carry `crc`, `x3`, `x3t`, any or none; every one present is verified
+            (mismatch: ProtocolError("checksum"))
     shm     optional shared-memory reference: [segment_name, [offset, ...], stamp_offset, stamp]
             (one offset per tensor; the slot's stamp word holds `stamp` while the slot is this
             sample's: the receiver checks it after copying, see `Sample.stamp`)
@@ -45,13 +50,16 @@ import msgpack
 import torch
 import xxhash
 
-PROTOCOL_VERSION = 2  # 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references
+# 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references; 3: the `x3t` digest
+PROTOCOL_VERSION = 3
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a header is metadata, never data
 MAX_NDIM = 8
 MAX_TENSORS = 64
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: anything declared larger is absurd
-# Payload checksums a producer can attach (`transport.checksum`): crc32 -> header key `crc`, xxh3 -> `x3`.
-CHECKSUMS = ("none", "crc32", "xxh3")
+# Payload checksums a producer can attach (`transport.checksum`): crc32 -> header key `crc`, xxh3 -> `x3`,
+# xxh3-tree -> `x3t`.
+CHECKSUMS = ("none", "crc32", "xxh3", "xxh3-tree")
+DIGEST_CHUNK = 1 << 20  # bytes per leaf of the `x3t` tree digest (part of the format: never change)
 
 # Message kinds. Teacher -> student: SAMPLE, WELCOME, HEARTBEAT, DRAIN, END, RESET, REFUSE.
 # Student -> teacher: HELLO, CREDIT, ACK, COMMIT, ACKED, HEARTBEAT, BYE.
@@ -164,6 +172,7 @@ class Sample:
     # `x3`: xxh3-64 (`sample_x3`, the default: ~25 GB/s on one core against CRC32's ~1.5).
     crc: int | None = None
     x3: int | None = None
+    x3t: int | None = None  # xxh3 tree digest (`x3t_of`), the default
 
     @property
     def nbytes(self) -> int:
@@ -213,9 +222,51 @@ def xxh3_of(buffers: list) -> int:
     return h.intdigest()
 
 
-def digest_mismatch(bufs: list, crc: int | None, x3: int | None) -> tuple[str, int, int] | None:
+def chunk_digests(buf, chunk: int = DIGEST_CHUNK) -> list[int]:
+    """xxh3-64 of each `chunk`-byte piece of one tensor's bytes (the leaves of `x3t`)."""
+    mv = memoryview(buf).cast("B")
+    return [xxhash.xxh3_64_intdigest(mv[i : i + chunk]) for i in range(0, mv.nbytes, chunk)]
+
+
+def x3t_combine(leaves: list[int]) -> int:
+    """The `x3t` root over the chunk digests of every tensor, in tensor order."""
+    return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in leaves))
+
+
+def x3t_of(buffers: list) -> int:
+    """xxh3 tree digest of the buffers (one per tensor, in order): what `x3t` in a header means."""
+    leaves: list[int] = []
+    for b in buffers:
+        leaves += chunk_digests(b)
+    return x3t_combine(leaves)
+
+
+class ChunkDigests:
+    """Collects the `x3t` leaves of one sample's tensors, computed piecewise (possibly by several
+    threads, each for its own chunk range) while the bytes are copied; `root()` gives the digest.
+
+    `add(tensor_index, first_chunk, digests)` records the digests of chunks first_chunk.. of
+    tensor `tensor_index`; `root()` checks every chunk of every tensor was recorded."""
+
+    def __init__(self, nbytes_per_tensor: list[int], chunk: int = DIGEST_CHUNK):
+        self.chunk = chunk
+        self._leaves = [[None] * (-(-n // chunk)) for n in nbytes_per_tensor]
+
+    def add(self, tensor_index: int, first_chunk: int, digests: list[int]) -> None:
+        self._leaves[tensor_index][first_chunk : first_chunk + len(digests)] = digests
+
+    def root(self) -> int:
+        flat = [d for leaves in self._leaves for d in leaves]
+        if any(d is None for d in flat):
+            raise ValueError("x3t: a chunk was not digested")
+        return x3t_combine(flat)
+
+
+def digest_mismatch(
+    bufs: list, crc: int | None, x3: int | None, x3t: int | None = None
+) -> tuple[str, int, int] | None:
     """(algorithm, computed, recorded) of the first recorded digest the bytes do not match."""
-    for name, want, fn in (("xxh3-64", x3, xxh3_of), ("CRC32", crc, crc32_of)):
+    for name, want, fn in (("xxh3 tree", x3t, x3t_of), ("xxh3-64", x3, xxh3_of), ("CRC32", crc, crc32_of)):
         if want is not None:
             got = fn(bufs)
             if got != want:
@@ -233,6 +284,11 @@ def sample_x3(sample: Sample) -> int:
     return xxh3_of([tensor_bytes(t) for t in sample.tensors.values()])
 
 
+def sample_x3t(sample: Sample) -> int:
+    """xxh3 tree digest of the sample's tensor bytes, in tensor order (`x3t` in a header)."""
+    return x3t_of([tensor_bytes(t) for t in sample.tensors.values()])
+
+
 def sample_header(
     sample: Sample,
     *,
@@ -243,8 +299,10 @@ def sample_header(
     """Build the header map and the list of tensor byte views for `sample`.
 
     Args:
-        checksum: "none", "crc32" or "xxh3": the digest to add when the sample does not carry it
-            already (`sample.crc` / `sample.x3` go into the header as they are, never recomputed).
+        checksum: "none", "crc32", "xxh3" or "xxh3-tree": the digest to add when the sample does
+            not carry it already (`sample.crc` / `sample.x3` / `sample.x3t` go into the header as
+            they are, never recomputed). "xxh3-tree" adds nothing to a sample that carries
+            another digest already (a replayed spool file of an earlier version).
         with_crc: the older spelling of checksum="crc32".
     """
     if checksum not in CHECKSUMS:
@@ -272,6 +330,10 @@ def sample_header(
         header["x3"] = sample.x3
     elif checksum == "xxh3":
         header["x3"] = xxh3_of(bufs)
+    if sample.x3t is not None:
+        header["x3t"] = sample.x3t
+    elif checksum == "xxh3-tree" and "x3" not in header and "crc" not in header:
+        header["x3t"] = x3t_of(bufs)
     if shm is not None:
         header["shm"] = [shm[0], list(shm[1]), int(shm[2]), int(shm[3])]
     return header, bufs
@@ -445,6 +507,9 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     x3 = header.get("x3")
     if x3 is not None and not (_type_ok(x3, "int") and 0 <= x3 < 1 << 64):
         raise ProtocolError("field", "x3 must be an unsigned 64-bit int")
+    x3t = header.get("x3t")
+    if x3t is not None and not (_type_ok(x3t, "int") and 0 <= x3t < 1 << 64):
+        raise ProtocolError("field", "x3t must be an unsigned 64-bit int")
     shm = header.get("shm")
     tensors: dict[str, torch.Tensor] = {}
     bufs = []
@@ -490,11 +555,11 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
                 )
             bufs.append(buf)
             tensors[name] = _view(buf, dtype, shape)
-    bad = digest_mismatch(bufs, crc, x3)
+    bad = digest_mismatch(bufs, crc, x3, x3t)
     if bad is not None:
         raise ProtocolError("checksum", f"payload {bad[0]} mismatch for sample {key!r}")
     out = Sample(
-        key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc, x3=x3
+        key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc, x3=x3, x3t=x3t
     )
     if shm is not None:
         out.stamp = (shm[0], shm[2], shm[3])

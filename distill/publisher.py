@@ -193,6 +193,13 @@ class Publisher(StudentSessions):
             sample.crc = P.sample_crc(sample)
         elif self.cfg.checksum == "xxh3" and sample.x3 is None:
             sample.x3 = P.sample_x3(sample)
+        elif (
+            self.cfg.checksum == "xxh3-tree"
+            and sample.x3t is None
+            and sample.x3 is None
+            and sample.crc is None
+        ):
+            sample.x3t = P.sample_x3t(sample)  # the connector's CUDA path brings it already
         nbytes = sample.nbytes
         with self._budget.cond:
             to_spool = self._wait_for_room(nbytes)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from distill.protocol import Sample, digest_mismatch, sample_x3, tensor_bytes
+from distill.protocol import Sample, digest_mismatch, sample_x3t, tensor_bytes
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
@@ -75,14 +75,16 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
         "order": json.dumps(list(sample.tensors)),
     }
     # A digest of the tensor bytes in order: a reader checks it (a damaged file is never used). The
-    # sample's xxh3-64 when it has one, else its CRC32 (files of earlier versions carry only that),
-    # else an xxh3-64 computed here (far cheaper than a CRC32).
-    if sample.x3 is not None:
+    # digest the sample carries (its xxh3 tree digest, xxh3-64 or CRC32: files of earlier versions
+    # carry those), else an xxh3 tree digest computed here.
+    if sample.x3t is not None:
+        meta["x3t"] = str(sample.x3t)
+    elif sample.x3 is not None:
         meta["x3"] = str(sample.x3)
     elif sample.crc is not None:
         meta["crc"] = str(sample.crc)
     else:
-        meta["x3"] = str(sample_x3(sample))
+        meta["x3t"] = str(sample_x3t(sample))
     tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
     try:
         save_file(tensors, str(tmp), metadata=meta)
@@ -219,14 +221,16 @@ def read_spool_into(
             os.close(fd)
         key = md.get("key") or (p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else p.name)
         x3 = int(md["x3"]) if md.get("x3", "").isdigit() else None
+        x3t = int(md["x3t"]) if md.get("x3t", "").isdigit() else None
         crc = int(md["crc"]) if md.get("crc", "").isdigit() else None
-        bad = digest_mismatch([tensor_bytes(t) for t in tensors.values()], crc, x3)
+        bad = digest_mismatch([tensor_bytes(t) for t in tensors.values()], crc, x3, x3t)
         if bad is not None:
             name, got_d, want = bad
             raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's {name} ({got_d} != {want})")
         sample = Sample(
             crc=crc,
             x3=x3,
+            x3t=x3t,
             key=key,
             tensors=tensors,
             layers=json.loads(md["layers"]) if "layers" in md else [],

@@ -88,7 +88,7 @@ try:  # vLLM >= 0.27 flags GPU<->CPU syncs when VLLM_GPU_SYNC_CHECK is set; ours
 except ImportError:  # vLLM 0.26
     from contextlib import nullcontext as _sync_allowed
 
-from distill.protocol import Sample
+from distill.protocol import DIGEST_CHUNK, ChunkDigests, Sample, chunk_digests, tensor_bytes
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 from teacher.connector_parts import (
@@ -165,6 +165,16 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._pinned: _PinnedPool | None = None  # CUDA staging buffers
         self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
+        # Where the time goes (logged at shutdown): the engine thread's synchronous copies (no
+        # pinned buffer free) and its waits on a full sender queue; the sender thread's seconds
+        # waiting for device-to-host copies, copying (and digesting) out of staging, and in submit.
+        self._timing: dict[str, float] = {
+            "pageable_copies": 0,
+            "engine_wait_s": 0.0,
+            "wait_copy_s": 0.0,
+            "copy_digest_s": 0.0,
+            "submit_s": 0.0,
+        }
         # Mode spool (no Publisher): the teacher id and sequence numbers the files carry, as a
         # Publisher would give them (transport.teacher_id, else host-pid-random; seq from 1).
         self._spool_tid = ""
@@ -317,6 +327,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                     host.copy_(rows, non_blocking=True)
                 else:
                     host = rows.to("cpu")  # every pinned buffer busy: pageable (synchronous) copy
+                    self._timing["pageable_copies"] += 1
                 copy_done = torch.cuda.Event()
                 copy_done.record(stream)
         else:
@@ -327,9 +338,13 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if lock_fd is None and self.use_lock:
             lock_fd = _take_lock(info.path)
         self._pending_copies[pending.req_id] = copy_done
-        self._queue.put(
-            _Job(pending.req_id, info, pending.token_ids.clone(), host, copy_done, staging, lock_fd)
-        )
+        job = _Job(pending.req_id, info, pending.token_ids.clone(), host, copy_done, staging, lock_fd)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:  # the sender thread is behind: the engine step waits here
+            t0 = time.perf_counter()
+            self._queue.put(job)
+            self._timing["engine_wait_s"] += time.perf_counter() - t0
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._sender_error is not None:
@@ -377,8 +392,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     def _place(self, job: _Job) -> None:
         hs = job.hidden_states
         if job.copy_done is not None:
+            t0 = time.perf_counter()
             job.copy_done.synchronize()
-        # Names in sorted order: a spool file lists its tensors so, and its CRC covers them in
+            self._timing["wait_copy_s"] += time.perf_counter() - t0
+        # Names in sorted order: a spool file lists its tensors so, and its digest covers them in
         # the order the producer had them (the same order, then).
         tensors = {
             "hidden_states": hs,
@@ -386,19 +403,31 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             "token_ids": job.token_ids,
         }
         slot = None
+        x3t = None
         if job.staging is not None:
             # Out of the pinned buffer (it goes back to the pool): straight into a slot of the
             # Publisher's shared-memory ring when there is room (the one host copy a same-host
-            # student needs), else into fresh pageable memory.
+            # student needs), else into fresh pageable memory. The copy threads digest each chunk
+            # they copied while it is still in cache (the `x3t` tree digest): no pass of its own.
+            t0 = time.perf_counter()
+            digests = None
+            if self.cfg.transport.checksum == "xxh3-tree":
+                digests = ChunkDigests([t.numel() * t.element_size() for t in tensors.values()])
             if self._publisher is not None:
                 slot = self._publisher.ring_slot({k: (list(t.shape), t.dtype) for k, t in tensors.items()})
             if slot is not None:
-                for k, t in tensors.items():
-                    self._copy(slot.tensors[k], t)
+                for i, (k, t) in enumerate(tensors.items()):
+                    self._copy(slot.tensors[k], t, digests, i)
                 tensors = dict(slot.tensors)
             else:
-                tensors["hidden_states"] = self._copy(torch.empty_like(hs), hs)
+                tensors["hidden_states"] = self._copy(torch.empty_like(hs), hs, digests, 0)
+                if digests is not None:
+                    for i, t in enumerate(list(tensors.values())[1:], start=1):
+                        digests.add(i, 0, chunk_digests(tensor_bytes(t)))
             self._pinned.give(job.staging)
+            if digests is not None:
+                x3t = digests.root()
+            self._timing["copy_digest_s"] += time.perf_counter() - t0
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", int(hs.shape[0]))
         if self._fault == "flip":
@@ -406,6 +435,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             flipped.view(-1)[0] += 1.0
             tensors["hidden_states"] = flipped
         sample = Sample(key=job.info.key, tensors=tensors, layers=list(self.layer_ids), meta=meta)
+        if self._fault != "flip":  # the flipped copy must not carry the true digest
+            sample.x3t = x3t
         if job.info.verify:
             # The live probe: a copy of exactly what is delivered, for distill-teacher's verifier
             # (teacher/verify.py). Written here, on the sender thread, never on the engine step.
@@ -415,7 +446,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             sample.teacher, sample.seq = self._spool_tid, self._spool_seq
             where = str(write_sample(self.cfg.spool.dir, sample))
         else:
+            t0 = time.perf_counter()
             where = self._publisher.submit(sample, slot=slot)
+            self._timing["submit_s"] += time.perf_counter() - t0
         if where.startswith("stream:"):
             self._placed["stream"] += 1
             if job.lock_fd is not None:
@@ -425,18 +458,31 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         else:
             self._placed["spool"] += 1  # write_sample left the `.lock` vLLM's reader opens
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """`dst.copy_(src)`, split in chunks over the copy threads when it is large (CUDA path)."""
+    def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, digests: ChunkDigests | None = None, index: int = 0
+    ) -> torch.Tensor:
+        """`dst.copy_(src)`, split over the copy threads when it is large (CUDA path). With
+        `digests`, each DIGEST_CHUNK of `dst` is hashed right after it was copied (by the thread
+        that copied it) and recorded as tensor `index`'s leaves."""
         nbytes = src.numel() * src.element_size()
-        pool = self._copy_pool
-        if pool is None or nbytes < _PARALLEL_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
-            return dst.copy_(src)
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            dst.copy_(src)
+            if digests is not None:
+                digests.add(index, 0, chunk_digests(tensor_bytes(dst)))
+            return dst
         d = dst.reshape(-1).view(torch.uint8)
         s = src.reshape(-1).view(torch.uint8)
+        nchunks = -(-nbytes // DIGEST_CHUNK)
+        pool = self._copy_pool
+        if pool is None or nbytes < _PARALLEL_COPY_BYTES:
+            _copy_range(d, s, 0, nchunks, digests, index)
+            return dst
         n = self.cfg.copy_threads
-        step = -(-nbytes // n)
-        step = -(-step // 4096) * 4096  # page-aligned chunks
-        futures = [pool.submit(d[i : i + step].copy_, s[i : i + step]) for i in range(0, nbytes, step)]
+        per = -(-nchunks // n)  # contiguous chunk ranges, one per thread
+        futures = [
+            pool.submit(_copy_range, d, s, c, min(c + per, nchunks), digests, index)
+            for c in range(0, nchunks, per)
+        ]
         for f in futures:
             f.result()  # re-raises a failed chunk
         return dst
@@ -472,3 +518,22 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._sender is not None:
             pinned = self._pinned._count if self._pinned is not None else 0
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
+            timing = {k: round(v, 3) for k, v in self._timing.items()}
+            logger.info("distill: connector timing: %s", timing)
+
+
+def _copy_range(
+    d: torch.Tensor, s: torch.Tensor, first: int, end: int, digests: ChunkDigests | None, index: int
+) -> None:
+    """Copy chunks [first, end) of the flat byte tensor `s` into `d`; with `digests`, hash each
+    chunk of `d` right after copying it (still in cache) and record the leaves."""
+    if digests is None:
+        d[first * DIGEST_CHUNK : end * DIGEST_CHUNK].copy_(s[first * DIGEST_CHUNK : end * DIGEST_CHUNK])
+        return
+    leaves = []
+    for c in range(first, end):
+        a = c * DIGEST_CHUNK
+        part = d[a : a + DIGEST_CHUNK]
+        part.copy_(s[a : a + DIGEST_CHUNK])
+        leaves += chunk_digests(tensor_bytes(part))
+    digests.add(index, first, leaves)

@@ -66,7 +66,7 @@ def test_teacher_rejects_garbage_and_keeps_serving(tmp_path):
         assert {"garbage", "version", "kind", "field", "frames", "header_too_large"} <= set(reasons)
 
 
-@pytest.mark.parametrize("checksum", ["crc32", "xxh3"])
+@pytest.mark.parametrize("checksum", ["crc32", "xxh3", "xxh3-tree"])
 def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path, checksum):
     ep = f"ipc://{tmp_path}/fake-teacher.sock"
     router = zmq.Context.instance().socket(zmq.ROUTER)
@@ -90,7 +90,7 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path, checksu
         )
         h, bufs = P.sample_header(good, checksum=checksum)
         payload = bytes(bufs[0])
-        digest = {"crc32": "crc", "xxh3": "x3"}[checksum]  # the header key that carries it
+        digest = {"crc32": "crc", "xxh3": "x3", "xxh3-tree": "x3t"}[checksum]  # the header key that carries it
 
         def spec(**kw):
             t = list(h["t"][0])

@@ -18,7 +18,7 @@ def roundtrip(sample: Sample, **kw) -> Sample:
     return P.decode_sample(header, wire[1:])
 
 
-@pytest.mark.parametrize("checksum", ["crc32", "xxh3"])
+@pytest.mark.parametrize("checksum", ["crc32", "xxh3", "xxh3-tree"])
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32, torch.uint8, torch.bool]
 )
@@ -36,6 +36,8 @@ def test_roundtrip_exact(dtype, checksum):
     assert out.key == "row-1" and out.teacher == "t0" and out.seq == 42
     if checksum == "xxh3":
         assert out.x3 == P.sample_x3(s) and out.crc is None
+    elif checksum == "xxh3-tree":
+        assert out.x3t == P.sample_x3t(s) and out.crc is None and out.x3 is None
     else:
         assert out.crc == P.sample_crc(s) and out.x3 is None
     assert out.layers == [0, 2, 4] and out.meta == {"a": 1, "b": "x"}
@@ -90,7 +92,7 @@ def test_xxh3_header_key_is_the_xxh3_64_of_the_tensor_bytes_in_order():
         P.sample_header(s, checksum="md5")
 
 
-@pytest.mark.parametrize("checksum", ["crc32", "xxh3"])
+@pytest.mark.parametrize("checksum", ["crc32", "xxh3", "xxh3-tree"])
 def test_flipped_payload_byte_is_a_checksum_error_naming_the_algorithm(checksum):
     h, f = _good(checksum)
     corrupted = bytearray(f[1])
@@ -98,13 +100,52 @@ def test_flipped_payload_byte_is_a_checksum_error_naming_the_algorithm(checksum)
     with pytest.raises(ProtocolError) as ei:
         P.decode_sample(P.decode_header(P.pack(h)), [f[0], bytes(corrupted)])
     assert ei.value.reason == "checksum"
-    assert ("xxh3" if checksum == "xxh3" else "CRC32") in str(ei.value)
-    # Both digests present: each one is checked.
-    both = {**h, "crc": P.crc32_of(f), "x3": P.xxh3_of(f)}
+    assert {"xxh3": "xxh3-64", "xxh3-tree": "xxh3 tree", "crc32": "CRC32"}[checksum] in str(ei.value)
+    # All digests present: each one is checked.
+    both = {**h, "crc": P.crc32_of(f), "x3": P.xxh3_of(f), "x3t": P.x3t_of(f)}
     out = P.decode_sample(P.decode_header(P.pack(both)), f)
-    assert (out.crc, out.x3) == (both["crc"], both["x3"])
-    for k in ("crc", "x3"):
+    assert (out.crc, out.x3, out.x3t) == (both["crc"], both["x3"], both["x3t"])
+    for k in ("crc", "x3", "x3t"):
         assert _reason(P.pack({**both, k: both[k] ^ 1}), f) == "checksum"
+
+
+def test_x3t_is_the_xxh3_of_the_1_mib_chunk_digests_of_each_tensor_in_order():
+    """The tree digest written out from its definition (protocol docstring), independently of
+    x3t_of: leaves per tensor (an empty tensor has none), little-endian u64, one xxh3-64 over them."""
+    import xxhash
+
+    g = torch.Generator().manual_seed(1)
+    hs = torch.randint(0, 255, ((5 << 20) // 2 + 7,), dtype=torch.uint8, generator=g)  # 2.5 MiB + 7
+    s = Sample(
+        key="k",
+        tensors={"hidden_states": hs, "empty": torch.zeros(0), "token_ids": torch.arange(9)},
+    )
+    raws = [t.numpy().tobytes() for t in s.tensors.values()]
+    leaves = b""
+    for raw in raws:
+        for i in range(0, len(raw), 1 << 20):
+            leaves += xxhash.xxh3_64(raw[i : i + (1 << 20)]).intdigest().to_bytes(8, "little")
+    assert len(leaves) == 8 * (3 + 0 + 1)
+    want = xxhash.xxh3_64(leaves).intdigest()
+    assert P.sample_x3t(s) == want
+    h, _ = P.sample_header(s, checksum="xxh3-tree")
+    assert h["x3t"] == want and "x3" not in h and "crc" not in h
+    # Collected piecewise, out of order, as the connector's copy threads do: the same root.
+    d = P.ChunkDigests([len(r) for r in raws])
+    d.add(2, 0, P.chunk_digests(raws[2]))
+    d.add(0, 2, P.chunk_digests(raws[0][2 << 20 :]))
+    with pytest.raises(ValueError, match="not digested"):
+        d.root()  # chunks 0-1 of tensor 0 missing
+    d.add(0, 0, P.chunk_digests(raws[0][: 2 << 20]))
+    assert d.root() == want
+    # Cutting the bytes into tensors elsewhere than at a chunk boundary changes the root (the
+    # shapes themselves are the header's, checked against the frames, as for x3).
+    moved = Sample(key="k", tensors={"a": hs[:1000], "b": hs[1000:], "token_ids": torch.arange(9)})
+    assert P.sample_x3t(moved) != P.sample_x3t(Sample(key="k", tensors={"a": hs, "token_ids": torch.arange(9)}))
+    # A sample carrying an older digest (a replayed spool file) gets no second one.
+    s.x3 = 5
+    h, _ = P.sample_header(s, checksum="xxh3-tree")
+    assert h["x3"] == 5 and "x3t" not in h
 
 
 @pytest.mark.parametrize("value", ["123", 1.5, True, -1, [1], {"a": 1}])

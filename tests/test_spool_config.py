@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from distill.config import ConfigError, RunFile, TransportConfig, load_run_file, validate
-from distill.protocol import Sample, sample_crc, sample_x3
+from distill.protocol import Sample, sample_crc, sample_x3, sample_x3t
 from distill.spool import SpoolChecksumError, iter_spool, list_spool, read_spool_file, write_sample
 
 
@@ -47,8 +47,8 @@ def test_tensor_order_and_digest_survive_the_file(tmp_path):
     )
     out = read_spool_file(write_sample(tmp_path, s))  # raised SpoolChecksumError before
     assert list(out.tensors) == ["token_ids", "hidden_states", "loss_mask"]
-    # A sample without a digest gets an xxh3-64 (the cheaper one) in its file.
-    assert out.x3 == sample_x3(s) == sample_x3(out) and out.crc is None
+    # A sample without a digest gets an xxh3 tree digest in its file.
+    assert out.x3t == sample_x3t(s) == sample_x3t(out) and out.crc is None and out.x3 is None
 
 
 def _spool_sample(**kw) -> Sample:
@@ -85,6 +85,19 @@ def test_spool_file_keeps_the_samples_xxh3_and_rejects_damage(tmp_path):
     s2.x3 = 42
     with pytest.raises(SpoolChecksumError, match="xxh3"):
         read_spool_file(write_sample(tmp_path / "b", s2))
+
+
+def test_spool_file_keeps_the_samples_tree_digest_and_rejects_damage(tmp_path):
+    s = _spool_sample()
+    s.x3t = sample_x3t(s)  # as the connector's copy threads computed it
+    p = write_sample(tmp_path, s)
+    md = _file_metadata(p)
+    assert md["x3t"] == str(s.x3t) and "x3" not in md and "crc" not in md
+    out = read_spool_file(p)
+    assert out.x3t == s.x3t and out.x3 is None
+    _flip_last_byte(p)
+    with pytest.raises(SpoolChecksumError, match="xxh3 tree"):
+        read_spool_file(p)
 
 
 def test_crc_only_spool_files_still_read_and_verify(tmp_path):
@@ -173,9 +186,9 @@ def test_bad_values_are_named(tmp_path):
         load_run_file(tmp_path / "missing.yaml")
 
 
-def test_checksum_defaults_to_xxh3_and_names_unknown_algorithms():
-    assert TransportConfig().checksum == "xxh3"
-    for ok in ("none", "crc32", "xxh3"):
+def test_checksum_defaults_to_xxh3_tree_and_names_unknown_algorithms():
+    assert TransportConfig().checksum == "xxh3-tree"
+    for ok in ("none", "crc32", "xxh3", "xxh3-tree"):
         assert validate(TransportConfig, {"checksum": ok}).checksum == ok
     with pytest.raises(ConfigError, match="checksum"):
         validate(TransportConfig, {"checksum": "md5"})

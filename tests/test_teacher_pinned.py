@@ -43,17 +43,19 @@ def test_pool_disabled():
     [(1, "auto", 8), (3, "auto", 1031), (3, "off", 1031)],
     ids=["one-copy-ring", "chunked-ring", "chunked-pageable"],
 )
-def test_staged_sample_copied_out_once(tmp_path, copy_threads, shm, rows):
+def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm, rows):
     """The CUDA placement path on the CPU: a sample in a (here unpinned) staging buffer is copied
     once, into a shared-memory ring slot (shm auto) or fresh memory (shm off), and submitted; the
     staging buffer goes back to the pool and may be overwritten at once without touching what the
-    student receives. With copy_threads > 1 and >= 4 MiB the copy is split into page-aligned
-    chunks over a thread pool (1031 rows: 8.05 MiB, not a multiple of the chunking)."""
+    student receives. With copy_threads > 1 and >= 4 MiB the copy is split into 1 MiB chunks over
+    a thread pool (1031 rows: 8.05 MiB, not a multiple of the chunking), and the default digest
+    (xxh3-tree) is computed by the threads that copy: the Publisher never hashes the sample."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
+    import distill.protocol as P
     from distill.config import SpoolConfig, TransportConfig
     from distill.transport import Publisher, Subscriber
     from teacher.config import ConnectorConfig
@@ -67,6 +69,7 @@ def test_staged_sample_copied_out_once(tmp_path, copy_threads, shm, rows):
     )
     conn.layer_ids = [1, 2]
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
+    conn._timing = dict.fromkeys(("pageable_copies", "wait_copy_s", "copy_digest_s", "submit_s"), 0)
     conn._pinned = _PinnedPool(1, pin=False)
     conn._copy_pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
     shape = (rows, 2, 1024)
@@ -81,6 +84,11 @@ def test_staged_sample_copied_out_once(tmp_path, copy_threads, shm, rows):
         want = torch.arange(rows * 2 * 1024, dtype=torch.float32).view(shape)
         hs.copy_(want)
         info = _SampleInfo(key="row-1", meta={"m": 1}, path=str(tmp_path / "spool" / "x"))
+
+        def no_hash_on_the_sender(sample):
+            raise AssertionError("the sender thread hashed the sample")
+
+        monkeypatch.setattr(P, "sample_x3t", no_hash_on_the_sender)
         conn._place(_Job("req-1", info, torch.arange(rows), hs, None, staging, None))
         assert conn._pinned.take(1) is staging  # given back to the pool ...
         staging.fill_(0)  # ... and reused at once
@@ -88,6 +96,9 @@ def test_staged_sample_copied_out_once(tmp_path, copy_threads, shm, rows):
         assert s is not None and s.key == "row-1" and s.meta["m"] == 1
         assert torch.equal(s.tensors["hidden_states"], want)
         assert torch.equal(s.tensors["token_ids"], torch.arange(rows))
+        # The digest the copy threads computed is the tree digest of what the student holds.
+        assert s.x3t is not None and s.x3t == P.x3t_of([P.tensor_bytes(t) for t in s.tensors.values()])
+        assert conn._timing["copy_digest_s"] > 0
         ring = 1 if shm == "auto" else 0
         assert sub.stats().get("shm_samples", 0) == ring and pub.stats().get("shm_samples", 0) == ring
         sub.ack(s)
@@ -112,3 +123,37 @@ def test_layer_perm_maps_the_configured_order_to_the_cache_slots():
     perm = _layer_perm(ids)
     cache = torch.tensor(sorted(ids)).view(1, -1, 1)  # [T=1, L, H=1]: each slot holds its layer id
     assert cache.index_select(1, perm).flatten().tolist() == ids
+
+
+def test_ring_sample_whose_bytes_changed_after_hashing_is_rejected_and_never_handed_out(tmp_path):
+    """Shared-memory path with the default digest: the bytes in the ring slot no longer match the
+    digest the teacher's copy threads recorded (a byte changed after hashing): the student
+    rejects the sample (counted under 'checksum') and never hands it out."""
+    import time
+
+    import torch
+
+    import distill.protocol as P
+    from distill.config import SpoolConfig, TransportConfig
+    from distill.transport import Publisher, Subscriber
+
+    ep = f"ipc://{tmp_path}/t.sock"
+    tcfg = TransportConfig(bind=[ep], connect=[ep], shm="auto", shm_dir=str(tmp_path), shm_bytes=16 * MiB)
+    assert tcfg.checksum == "xxh3-tree"
+    with Publisher(tcfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(tcfg) as sub:
+        deadline = time.monotonic() + 10
+        while pub.stats()["students"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        slot = pub.ring_slot({"hidden_states": ([64, 2, 256], torch.float32), "token_ids": ([64], torch.int64)})
+        assert slot is not None
+        slot.tensors["hidden_states"].copy_(torch.randn(64, 2, 256))
+        slot.tensors["token_ids"].copy_(torch.arange(64))
+        s = P.Sample(key="damaged", tensors=dict(slot.tensors), layers=[1, 2])
+        s.x3t = P.sample_x3t(s)
+        slot.tensors["hidden_states"].view(-1)[7] += 1.0  # changed after it was hashed
+        pub.submit(s, slot=slot)
+        deadline = time.monotonic() + 10
+        while sub.stats()["rejected_by_reason"].get("checksum", 0) < 1 and time.monotonic() < deadline:
+            assert sub.get(timeout=0.05) is None  # never handed out
+        assert sub.stats()["rejected_by_reason"].get("checksum", 0) >= 1
+        assert sub.stats().get("received", 0) == 0
