@@ -21,6 +21,10 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     C1   as C with 1 layer id (``--layers1``);  C8: as C with 8 layer ids (``--layers8``)
     D    as C over tcp with ``transport.shm=off``; ``D:4`` spreads the load over 4 receivers
          (4 tcp connections, the publisher hands each sample to one student by credit)
+    Cx, C8x, Dx   as C, C8, D with ``transport.checksum: xxh3`` (one xxh3-64 pass over every
+         byte on the connector's sender thread; the default is ``xxh3-tree``, hashed chunk by
+         chunk by the copy threads)
+    Cn, C8n, Dn   as C, C8, D with ``transport.checksum: none``
     T    our transport alone, no vLLM: Publisher -> Subscriber(s) of samples of the same size
          (``--prompt-len`` x layers x hidden bf16), over shm and over tcp
 
@@ -37,17 +41,24 @@ checked). Medians over the passes are reported.
 The model: Qwen3-8B's architecture with random weights (``load_format="dummy"``; the config.json
 is written into --model-dir), no tokenizer (``skip_tokenizer_init``, prompts are token ids).
 
-Example (GPU host, vLLM importable):
-    python3 benchmarks/gpu_teacher.py --modes A,B,C,D:4,C1,C8,T \\
-        --num-prompts 1024 --prompt-len 1024 --repeats 2 --out-dir /tmp/gpu_teacher
+Every mode runs on the defaults except what its line above names; each mode's effective
+connector settings (checksum included) are in its record and in the summary's ``settings``, and
+the connector's own account of where its time went (``connector``: the engine thread's
+synchronous copies and waits, the sender thread's seconds) is read from the engine's log.
+
+Example (GPU host, vLLM importable; no --modes: A, B, C, C8, D):
+    python3 benchmarks/gpu_teacher.py --num-prompts 1024 --prompt-len 1024 --repeats 1 \\
+        --commit $(git rev-parse --short HEAD) --out-dir /tmp/gpu_teacher
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import statistics
@@ -101,6 +112,11 @@ MODES = {
     "D": ("ours", "layers", "off", {}),
     "T": ("transport", "layers", None, {}),
 }
+for _n, _c in (("x", "xxh3"), ("n", "none")):  # the same modes with another payload digest
+    for _m in ("C", "C8", "D"):
+        _kind, _layers, _shm, _extra = MODES[_m]
+        MODES[_m + _n] = (_kind, _layers, _shm, {**_extra, "transport": {"checksum": _c}})
+DEFAULT_MODES = "A,B,C,C8,D"
 
 
 def log(*a):
@@ -109,7 +125,8 @@ def log(*a):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--modes", default="A,B,C,D:4,C1,C8,T", help="comma-separated mode[:receivers][@repeats]")
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated mode[:receivers][@repeats]")
+    p.add_argument("--commit", default=None, help="the commit measured (recorded in RESULT_JSON)")
     p.add_argument("--model-dir", default="/tmp/qwen3-8b-dummy", help="config.json written here if missing")
     p.add_argument("--tiny", action="store_true", help="a tiny Qwen3 config instead (harness smoke test)")
     p.add_argument("--num-prompts", type=int, default=1024)
@@ -500,13 +517,70 @@ def our_connector_extra(args, shm, endpoint, mode_extra):
         },
         "spool": {"dir": args.spool_dir},
     }
-    extra.update(mode_extra)
-    for k, v in json.loads(args.connector_extra).items():
-        if isinstance(v, dict) and isinstance(extra.get(k), dict):
-            extra[k].update(v)
-        else:
-            extra[k] = v
+    for more in (mode_extra, json.loads(args.connector_extra)):
+        for k, v in more.items():
+            if isinstance(v, dict) and isinstance(extra.get(k), dict):
+                extra[k] = {**extra[k], **v}
+            else:
+                extra[k] = v
     return extra
+
+
+def effective_settings(kind, extra) -> dict:
+    """What a reader needs to see of a mode's configuration: every data-path setting in effect
+    (defaults included), so the checksum that was on is never a guess."""
+    if kind != "ours":
+        return {"connector": "ExampleHiddenStatesConnector"} if kind == "file" else {}
+    sys.path.insert(0, REPO)
+    from teacher.config import ConnectorConfig
+
+    cc = ConnectorConfig.from_extra(extra)
+    t = cc.transport
+    return {
+        "checksum": t.checksum,
+        "shm": t.shm,
+        "shm_bytes": t.shm_bytes,
+        "max_buffer_bytes": t.max_buffer_bytes,
+        "credit_samples": t.credit_samples,
+        "copy_threads": cc.copy_threads,
+        "pinned_buffers": cc.pinned_buffers,
+        "queue_samples": cc.queue_samples,
+        "hidden_dtype": "model",
+        "capture": "all",
+    }
+
+
+_CONNECTOR_LOG = {
+    "placed": re.compile(r"distill: samples placed: (\{.*?\}); pinned staging buffers: (\d+)"),
+    "timing": re.compile(r"distill: connector timing: (\{.*?\})"),
+    "publisher": re.compile(r"distill: publisher closed: (\{.*\})"),
+}
+
+
+def connector_report(log_path) -> dict:
+    """The connector's shutdown lines from a mode's log (its own account of where time went)."""
+    out = {}
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return out
+    for name, rx in _CONNECTOR_LOG.items():
+        found = list(rx.finditer(text))
+        if not found:
+            continue
+        m = found[-1]  # the last one (the timed engine's shutdown)
+        try:
+            out[name] = ast.literal_eval(m.group(1))
+        except (ValueError, SyntaxError):
+            out[name] = m.group(1)[:400]
+        if name == "placed":
+            out["pinned_buffers_allocated"] = int(m.group(2))
+    pub = out.get("publisher")
+    if isinstance(pub, dict):  # the figures that say whether the ring or memory ran out
+        keep = ("sent", "acked", "spooled", "shm_samples", "shm_full", "held_bytes", "spool_full_waits")
+        out["publisher"] = {k: pub[k] for k in keep if k in pub}
+    return out
 
 
 def run_transport_only(args, hf, res):
@@ -627,6 +701,9 @@ def run_one(args):
         "mode": args.run_one,
         "name": name,
         "kind": kind,
+        "settings": effective_settings(
+            kind, our_connector_extra(args, shm, f"tcp://127.0.0.1:{args.port}", mode_extra)
+        ),
         "layers": layers,
         "receivers": receivers,
         "shm": shm,
@@ -833,7 +910,12 @@ def summarize(results: dict, args) -> dict:
     a = results.get("A", {}).get("generate_tok_s_median")
     out = {
         "machine": None,
+        "gpu": None,
+        "commit": args.commit,
         "workload": f"{args.num_prompts} prompts x {args.prompt_len} tokens",
+        "e2e_over_A": {},
+        "generate_over_A": {},
+        "settings": {m: r.get("settings") for m, r in results.items()},
         "modes": {},
         "ratios_vs_A": {},
     }
@@ -851,6 +933,8 @@ def summarize(results: dict, args) -> dict:
                 "samples_checked",
                 "engine_init_s",
                 "error",
+                "settings",
+                "connector",
             )
             if r.get(k) is not None
         }
@@ -885,6 +969,11 @@ def summarize(results: dict, args) -> dict:
                 rat["e2e"] = round(r["e2e_tok_s_median"] / a, 3)
             if rat:
                 out["ratios_vs_A"][mode] = rat
+            if "e2e" in rat:
+                out["e2e_over_A"][mode] = rat["e2e"]
+            if "generate" in rat:
+                out["generate_over_A"][mode] = rat["generate"]
+    out["gpu"] = out["machine"]
     return out
 
 
@@ -963,6 +1052,9 @@ def orchestrate(args, argv):
                 "log_tail": [t.rstrip()[:400] for t in tail],
             }
         res["rc"] = rc
+        rep = connector_report(lg)
+        if rep:
+            res["connector"] = rep
         res["step_wall_s"] = round(time.monotonic() - t0, 1)
         with open(js, "w") as f:
             json.dump(res, f, indent=1)
