@@ -80,9 +80,10 @@ class TransportConfig(Strict):
     shm_dir: str = "/dev/shm"
     # Payload checksum: computed once per sample on the producer's side, carried in the header and
     # the spool file, verified by every receiver (mismatch: rejected, counted, sent again).
-    # xxh3-tree (the default): an xxh3-64 of 1 MiB chunk digests; on a CUDA teacher the connector's
-    # copy threads hash each chunk as they copy it out of pinned memory, so nothing is hashed on
-    # the engine's path. xxh3: one xxh3-64 over all bytes, on the connector's sender thread.
+    # xxh3-tree (the default): an xxh3-64 of 4 MiB chunk digests; on a CUDA teacher the connector's
+    # copy threads hash the chunks in parallel once the sample is out of pinned memory (the
+    # pinned buffer is already back in the pool). xxh3: one xxh3-64 pass over all bytes on the
+    # connector's sender thread.
     # crc32: zlib's CRC32 (slow: ~1.5 GB/s on one core). none: no payload digest on the wire
     # (ring-slot stamps still catch stale shared memory; spool files always carry a digest).
     checksum: Literal["none", "crc32", "xxh3", "xxh3-tree"] = "xxh3-tree"

@@ -20,7 +20,7 @@ Sample header keys::
     x3      optional xxh3-64 of the tensor bytes, in tensor order (seed 0, unsigned 64-bit int;
             `transport.checksum: xxh3`)
     x3t     optional xxh3 tree digest (`transport.checksum: xxh3-tree`, the default; version 3):
-            each tensor's bytes, in tensor order, are cut into DIGEST_CHUNK-byte chunks (the last
+            each tensor's bytes, in tensor order, are cut into DIGEST_CHUNK-byte (4 MiB) chunks (the last
             one shorter; an empty tensor has none), each chunk gets its xxh3-64 (seed 0), and
             `x3t` is the xxh3-64 of those chunk digests written as unsigned 64-bit little-endian
             integers, in order. The chunks can be hashed in parallel, by the threads that copy
@@ -59,7 +59,7 @@ MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: anything declared larger is absurd
 # Payload checksums a producer can attach (`transport.checksum`): crc32 -> header key `crc`, xxh3 -> `x3`,
 # xxh3-tree -> `x3t`.
 CHECKSUMS = ("none", "crc32", "xxh3", "xxh3-tree")
-DIGEST_CHUNK = 1 << 20  # bytes per leaf of the `x3t` tree digest (part of the format: never change)
+DIGEST_CHUNK = 4 << 20  # bytes per leaf of the `x3t` tree digest (part of the format: never change)
 
 # Message kinds. Teacher -> student: SAMPLE, WELCOME, HEARTBEAT, DRAIN, END, RESET, REFUSE.
 # Student -> teacher: HELLO, CREDIT, ACK, COMMIT, ACKED, HEARTBEAT, BYE.

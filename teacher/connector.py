@@ -76,6 +76,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so it shares vLLM's log handler
 
 _STOP = object()  # sender-thread sentinel
+_DEFERRED = object()  # _pending_copies value of a request waiting for a free pinned buffer
 _PARALLEL_COPY_BYTES = 4 << 20  # smaller copies stay on the sender thread
 
 
@@ -162,6 +164,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._sender_error: BaseException | None = None  # first failure, re-raised on the engine step
         self._pending_copies: dict[str, Any] = {}  # req_id -> CUDA event of its copy (None: done)
         self._finished_reqs: set[str] = set()  # req_ids the scheduler finished, awaiting their copy
+        # Pending saves that found every pinned buffer busy: copied (in order) at a later step,
+        # their blocks kept meanwhile; the engine step never waits for a buffer.
+        self._deferred: deque = deque()
         self._pinned: _PinnedPool | None = None  # CUDA staging buffers
         self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
@@ -169,10 +174,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         # pinned buffer free) and its waits on a full sender queue; the sender thread's seconds
         # waiting for device-to-host copies, copying (and digesting) out of staging, and in submit.
         self._timing: dict[str, float] = {
+            "deferred": 0,
             "pageable_copies": 0,
             "engine_wait_s": 0.0,
             "wait_copy_s": 0.0,
-            "copy_digest_s": 0.0,
+            "copy_s": 0.0,
+            "digest_s": 0.0,
             "submit_s": 0.0,
         }
         # Mode spool (no Publisher): the teacher id and sequence numbers the files carry, as a
@@ -299,17 +306,25 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
         return slots[:num_tokens]
 
-    def _extract(self, pending, info: _SampleInfo | None) -> None:
-        """Copy one finished request's rows off the cache and queue them for the sender thread."""
+    def _extract(self, pending, info: _SampleInfo | None, *, wait: bool = False) -> bool:
+        """Copy one finished request's rows off the cache and queue them for the sender thread.
+        False (nothing done) when every pinned staging buffer is busy: the caller keeps the
+        request's blocks and tries again at a later step. `wait`: never defer (a pageable,
+        synchronous copy instead; used at shutdown)."""
         if info is None:  # cannot happen unless scheduler/worker bookkeeping diverged
             info = self._info_for(pending.req_id, None)
             info.path = pending.filename
         kv = self._kv_cache
         num_tokens = int(pending.token_ids.shape[0])
-        slots = self._slot_mapping(pending.block_ids, num_tokens)
         copy_done = None
         staging = None
         if kv.is_cuda:
+            token_bytes = kv.numel() // (kv.shape[0] * self._block_size) * kv.element_size()
+            nbytes = num_tokens * token_bytes
+            staging = self._pinned.take(nbytes) if self._pinned is not None else None
+            if staging is None and not wait and self._pinned is not None and self._pinned.capacity > 0:
+                return False  # every pinned buffer busy: later, never a synchronous copy here
+            slots = self._slot_mapping(pending.block_ids, num_tokens)
             stream = self._get_copy_stream()
             ready = torch.cuda.Event()
             ready.record()
@@ -320,18 +335,21 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                     if self._perm_dev is None:
                         self._perm_dev = self._perm.to(kv.device)
                     rows = rows.index_select(1, self._perm_dev)  # configured layer order
-                nbytes = rows.numel() * rows.element_size()
-                staging = self._pinned.take(nbytes) if self._pinned is not None else None
+                if staging is not None and rows.numel() * rows.element_size() > staging.numel():
+                    self._pinned.give(staging)  # the cache held more per token than estimated
+                    staging = None
                 if staging is not None:
+                    nbytes = rows.numel() * rows.element_size()
                     host = staging[:nbytes].view(rows.dtype).view(rows.shape)
                     host.copy_(rows, non_blocking=True)
                 else:
-                    host = rows.to("cpu")  # every pinned buffer busy: pageable (synchronous) copy
+                    host = rows.to("cpu")  # no pinned pool (pinned_buffers: 0) or shutdown
                     self._timing["pageable_copies"] += 1
                 copy_done = torch.cuda.Event()
                 copy_done.record(stream)
         else:
             # CPU: advanced indexing already gathers into a new tensor; no pinning, streams or events.
+            slots = self._slot_mapping(pending.block_ids, num_tokens)
             host = _ref.extract_from_kv_cache(kv, slots, num_tokens)
             host = host.index_select(1, self._perm) if self._perm is not None else host.contiguous()
         lock_fd = self._lock_fds.pop(pending.req_id, None)
@@ -345,25 +363,42 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             t0 = time.perf_counter()
             self._queue.put(job)
             self._timing["engine_wait_s"] += time.perf_counter() - t0
+        return True
+
+    def _extract_or_defer(self, pending, info: _SampleInfo | None) -> None:
+        """Pending saves are copied in order: behind earlier deferred ones, or deferred too."""
+        if not self._deferred and self._extract(pending, info):
+            return
+        self._deferred.append((pending, info))
+        self._pending_copies[pending.req_id] = _DEFERRED
+        self._timing["deferred"] += 1
+
+    def _retry_deferred(self) -> None:
+        while self._deferred:
+            pending, info = self._deferred[0]
+            if not self._extract(pending, info):
+                return
+            self._deferred.popleft()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._sender_error is not None:
             raise RuntimeError(
                 f"distill sender thread failed: {self._sender_error!r}"
             ) from self._sender_error
+        self._retry_deferred()
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, _ref.ExampleHiddenStatesConnectorMetadata) and self._is_tp_rank_zero:
                 samples = getattr(meta, "distill_samples", {})
                 for pending in meta.pending_saves:
-                    self._extract(pending, samples.get(pending.req_id))
+                    self._extract_or_defer(pending, samples.get(pending.req_id))
         self._finished_reqs.update(finished_req_ids)
         done: set[str] = set()
         for req_id in list(self._finished_reqs):
             if req_id in self._pending_copies:
                 event = self._pending_copies[req_id]
-                if event is not None and not event.query():
-                    continue  # device-to-host copy still running: keep the blocks
+                if event is _DEFERRED or (event is not None and not event.query()):
+                    continue  # not copied yet, or the device-to-host copy still running: keep the blocks
                 del self._pending_copies[req_id]
                 done.add(req_id)
             self._finished_reqs.discard(req_id)
@@ -403,31 +438,28 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             "token_ids": job.token_ids,
         }
         slot = None
-        x3t = None
         if job.staging is not None:
-            # Out of the pinned buffer (it goes back to the pool): straight into a slot of the
-            # Publisher's shared-memory ring when there is room (the one host copy a same-host
-            # student needs), else into fresh pageable memory. The copy threads digest each chunk
-            # they copied while it is still in cache (the `x3t` tree digest): no pass of its own.
+            # Out of the pinned buffer (it goes back to the pool at once): straight into a slot of
+            # the Publisher's shared-memory ring when there is room (the one host copy a same-host
+            # student needs), else into fresh pageable memory.
             t0 = time.perf_counter()
-            digests = None
-            if self.cfg.transport.checksum == "xxh3-tree":
-                digests = ChunkDigests([t.numel() * t.element_size() for t in tensors.values()])
             if self._publisher is not None:
                 slot = self._publisher.ring_slot({k: (list(t.shape), t.dtype) for k, t in tensors.items()})
             if slot is not None:
-                for i, (k, t) in enumerate(tensors.items()):
-                    self._copy(slot.tensors[k], t, digests, i)
+                for k, t in tensors.items():
+                    self._copy(slot.tensors[k], t)
                 tensors = dict(slot.tensors)
             else:
-                tensors["hidden_states"] = self._copy(torch.empty_like(hs), hs, digests, 0)
-                if digests is not None:
-                    for i, t in enumerate(list(tensors.values())[1:], start=1):
-                        digests.add(i, 0, chunk_digests(tensor_bytes(t)))
+                tensors["hidden_states"] = self._copy(torch.empty_like(hs), hs)
             self._pinned.give(job.staging)
-            if digests is not None:
-                x3t = digests.root()
-            self._timing["copy_digest_s"] += time.perf_counter() - t0
+            self._timing["copy_s"] += time.perf_counter() - t0
+        x3t = None
+        if self.cfg.transport.checksum == "xxh3-tree":
+            # The default digest, its 4 MiB leaves hashed by the copy threads in parallel (one
+            # pass of ~1/copy_threads the time of a single xxh3 pass on this thread).
+            t0 = time.perf_counter()
+            x3t = self._digest(list(tensors.values()))
+            self._timing["digest_s"] += time.perf_counter() - t0
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", int(hs.shape[0]))
         if self._fault == "flip":
@@ -458,39 +490,58 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         else:
             self._placed["spool"] += 1  # write_sample left the `.lock` vLLM's reader opens
 
-    def _copy(
-        self, dst: torch.Tensor, src: torch.Tensor, digests: ChunkDigests | None = None, index: int = 0
-    ) -> torch.Tensor:
-        """`dst.copy_(src)`, split over the copy threads when it is large (CUDA path). With
-        `digests`, each DIGEST_CHUNK of `dst` is hashed right after it was copied (by the thread
-        that copied it) and recorded as tensor `index`'s leaves."""
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """`dst.copy_(src)`, split in chunks over the copy threads when it is large (CUDA path)."""
         nbytes = src.numel() * src.element_size()
-        if not (dst.is_contiguous() and src.is_contiguous()):
-            dst.copy_(src)
-            if digests is not None:
-                digests.add(index, 0, chunk_digests(tensor_bytes(dst)))
-            return dst
+        pool = self._copy_pool
+        if pool is None or nbytes < _PARALLEL_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
+            return dst.copy_(src)
         d = dst.reshape(-1).view(torch.uint8)
         s = src.reshape(-1).view(torch.uint8)
-        nchunks = -(-nbytes // DIGEST_CHUNK)
-        pool = self._copy_pool
-        if pool is None or nbytes < _PARALLEL_COPY_BYTES:
-            _copy_range(d, s, 0, nchunks, digests, index)
-            return dst
         n = self.cfg.copy_threads
-        per = -(-nchunks // n)  # contiguous chunk ranges, one per thread
-        futures = [
-            pool.submit(_copy_range, d, s, c, min(c + per, nchunks), digests, index)
-            for c in range(0, nchunks, per)
-        ]
+        step = -(-nbytes // n)
+        step = -(-step // 4096) * 4096  # page-aligned chunks
+        futures = [pool.submit(d[i : i + step].copy_, s[i : i + step]) for i in range(0, nbytes, step)]
         for f in futures:
             f.result()  # re-raises a failed chunk
         return dst
+
+    def _digest(self, tensors: list[torch.Tensor]) -> int:
+        """The `x3t` tree digest of `tensors` (in order); its leaves split over the copy threads,
+        each thread hashing one contiguous run of leaves of one tensor."""
+        views = [tensor_bytes(t) for t in tensors]
+        digests = ChunkDigests([v.nbytes for v in views])
+        pool = self._copy_pool
+        total = sum(v.nbytes for v in views)
+        if pool is None or total < _PARALLEL_COPY_BYTES:
+            for i, v in enumerate(views):
+                digests.add(i, 0, chunk_digests(v))
+            return digests.root()
+        per = max(1, -(-total // (DIGEST_CHUNK * self.cfg.copy_threads)))  # leaves per task
+        futures = []
+        for i, v in enumerate(views):
+            leaves = -(-v.nbytes // DIGEST_CHUNK)
+            for first in range(0, leaves, per):
+                part = v[first * DIGEST_CHUNK : (first + per) * DIGEST_CHUNK]
+                futures.append(pool.submit(_leaves_into, digests, i, first, part))
+        for f in futures:
+            f.result()
+        return digests.root()
 
     def shutdown(self):
         if self._closed:
             return
         self._closed = True
+        if self._deferred:
+            # The engine stopped stepping with samples still waiting for a pinned buffer: copy
+            # them now (synchronously; nothing else runs on the engine any more).
+            logger.info("distill: %d samples waited for a pinned buffer at shutdown", len(self._deferred))
+            try:
+                while self._deferred:
+                    pending, info = self._deferred.popleft()
+                    self._extract(pending, info, wait=True)
+            except Exception:  # the cache may be gone: those keys are generated again next run
+                logger.exception("distill: could not copy %d deferred samples", len(self._deferred) + 1)
         if self._sender is not None:
             self._queue.put(_STOP)
             self._sender.join()
@@ -522,18 +573,5 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             logger.info("distill: connector timing: %s", timing)
 
 
-def _copy_range(
-    d: torch.Tensor, s: torch.Tensor, first: int, end: int, digests: ChunkDigests | None, index: int
-) -> None:
-    """Copy chunks [first, end) of the flat byte tensor `s` into `d`; with `digests`, hash each
-    chunk of `d` right after copying it (still in cache) and record the leaves."""
-    if digests is None:
-        d[first * DIGEST_CHUNK : end * DIGEST_CHUNK].copy_(s[first * DIGEST_CHUNK : end * DIGEST_CHUNK])
-        return
-    leaves = []
-    for c in range(first, end):
-        a = c * DIGEST_CHUNK
-        part = d[a : a + DIGEST_CHUNK]
-        part.copy_(s[a : a + DIGEST_CHUNK])
-        leaves += chunk_digests(tensor_bytes(part))
-    digests.add(index, first, leaves)
+def _leaves_into(digests: ChunkDigests, index: int, first: int, part) -> None:
+    digests.add(index, first, chunk_digests(part))

@@ -109,13 +109,15 @@ def test_flipped_payload_byte_is_a_checksum_error_naming_the_algorithm(checksum)
         assert _reason(P.pack({**both, k: both[k] ^ 1}), f) == "checksum"
 
 
-def test_x3t_is_the_xxh3_of_the_1_mib_chunk_digests_of_each_tensor_in_order():
+def test_x3t_is_the_xxh3_of_the_4_mib_chunk_digests_of_each_tensor_in_order():
     """The tree digest written out from its definition (protocol docstring), independently of
     x3t_of: leaves per tensor (an empty tensor has none), little-endian u64, one xxh3-64 over them."""
     import xxhash
 
     g = torch.Generator().manual_seed(1)
-    hs = torch.randint(0, 255, ((5 << 20) // 2 + 7,), dtype=torch.uint8, generator=g)  # 2.5 MiB + 7
+    C = 4 << 20
+    assert P.DIGEST_CHUNK == C
+    hs = torch.randint(0, 255, (5 * C // 2 + 7,), dtype=torch.uint8, generator=g)  # 2.5 chunks + 7
     s = Sample(
         key="k",
         tensors={"hidden_states": hs, "empty": torch.zeros(0), "token_ids": torch.arange(9)},
@@ -123,8 +125,8 @@ def test_x3t_is_the_xxh3_of_the_1_mib_chunk_digests_of_each_tensor_in_order():
     raws = [t.numpy().tobytes() for t in s.tensors.values()]
     leaves = b""
     for raw in raws:
-        for i in range(0, len(raw), 1 << 20):
-            leaves += xxhash.xxh3_64(raw[i : i + (1 << 20)]).intdigest().to_bytes(8, "little")
+        for i in range(0, len(raw), C):
+            leaves += xxhash.xxh3_64(raw[i : i + C]).intdigest().to_bytes(8, "little")
     assert len(leaves) == 8 * (3 + 0 + 1)
     want = xxhash.xxh3_64(leaves).intdigest()
     assert P.sample_x3t(s) == want
@@ -133,10 +135,10 @@ def test_x3t_is_the_xxh3_of_the_1_mib_chunk_digests_of_each_tensor_in_order():
     # Collected piecewise, out of order, as the connector's copy threads do: the same root.
     d = P.ChunkDigests([len(r) for r in raws])
     d.add(2, 0, P.chunk_digests(raws[2]))
-    d.add(0, 2, P.chunk_digests(raws[0][2 << 20 :]))
+    d.add(0, 2, P.chunk_digests(raws[0][2 * C :]))
     with pytest.raises(ValueError, match="not digested"):
         d.root()  # chunks 0-1 of tensor 0 missing
-    d.add(0, 0, P.chunk_digests(raws[0][: 2 << 20]))
+    d.add(0, 0, P.chunk_digests(raws[0][: 2 * C]))
     assert d.root() == want
     # Cutting the bytes into tensors elsewhere than at a chunk boundary changes the root (the
     # shapes themselves are the header's, checked against the frames, as for x3).
