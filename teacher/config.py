@@ -7,6 +7,7 @@ their dotted name before vLLM starts.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -239,6 +240,36 @@ def load_teacher_config(data: dict[str, Any] | None) -> TeacherConfig:
     return validate(TeacherConfig, data, prefix="teacher.")
 
 
+class DuplicateField(ValueError):
+    """A JSON object names the same field twice (plain json.loads keeps the last one silently)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"field {name!r} appears twice in one JSON object")
+        self.name = name
+
+
+def _no_duplicate_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateField(k)
+        out[k] = v
+    return out
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """json.loads, refusing an object with the same field twice (DuplicateField, a ValueError): the
+    teacher's reader of JSON it is given (dataset rows, the model's config.json)."""
+    return json.loads(text, object_pairs_hook=_no_duplicate_fields)
+
+
+def _name_lines(text: str, name: str) -> str:
+    """(the name is at lines a, b, ...): where a field name occurs in a JSON text."""
+    pat = re.compile(re.escape(json.dumps(name)) + r"\s*:")
+    lines = [text.count("\n", 0, m.start()) + 1 for m in pat.finditer(text)][:6]
+    return f" (the name is at lines {', '.join(map(str, lines))})" if lines else ""
+
+
 def model_config(model_dir: str) -> dict:
     """The text model's config.json of a local model folder (its `text_config` for multimodal ones).
 
@@ -254,7 +285,10 @@ def model_config(model_dir: str) -> dict:
     if not cfg_path.is_file():
         raise ConfigError(f"teacher.model: {model_dir!r} has no config.json: not a model folder")
     try:
-        cfg = json.loads(cfg_path.read_text())
+        text = cfg_path.read_text()
+        cfg = loads_strict(text)
+    except DuplicateField as e:
+        raise ConfigError(f"teacher.model: {cfg_path}: {e}{_name_lines(text, e.name)}") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"teacher.model: cannot read {cfg_path}: {e}") from None
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):

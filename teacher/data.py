@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.config import ConfigError
-from teacher.config import TeacherConfig
+from teacher.config import DuplicateField, TeacherConfig, loads_strict
 
 
 def dataset_format(cfg: TeacherConfig) -> str:
@@ -38,20 +38,50 @@ def dataset_format(cfg: TeacherConfig) -> str:
 _NOT_JSON = object()  # marker: a JSONL line that is not a JSON object (the reason follows)
 
 
+def _utf8_problem(raw: bytes) -> str | None:
+    """Why a line is not UTF-8 text (None: it is)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: {e.reason})"
+    return None
+
+
+def _lone_surrogate(row: Any) -> bool:
+    """A JSON \\udXXX escape without its pair: a string that is no text (it cannot be encoded)."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, row) per non-blank line; a line that is not a JSON object yields
-    (line, (_NOT_JSON, reason)) so that a skip policy can go on past it."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
+    """(line number, row) per non-blank line; a line that is not a JSON object (or not UTF-8 text,
+    or an object with a field twice) yields (line, (_NOT_JSON, reason)) so that a skip policy can go
+    on past it."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            why = _utf8_problem(raw)
+            if why is not None:
+                yield n, (_NOT_JSON, why)
+                continue
+            line = raw.decode("utf-8")
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = loads_strict(line)
+            except DuplicateField as e:
+                yield n, (_NOT_JSON, str(e))
+                continue
             except ValueError as e:
                 yield n, (_NOT_JSON, f"not valid JSON ({e})")
                 continue
             if not isinstance(row, dict):
                 yield n, (_NOT_JSON, f"not a JSON object (a JSON {type(row).__name__})")
+                continue
+            if "\\u" in line and _lone_surrogate(row):
+                yield n, (_NOT_JSON, "not valid UTF-8 (a \\u escape of half a surrogate pair)")
                 continue
             yield n, row
 

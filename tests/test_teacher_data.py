@@ -10,7 +10,7 @@ import pytest
 
 from distill.config import ConfigError
 from distill.tiny import build_tiny_model, write_tiny_chat_dataset, write_tiny_dataset
-from teacher.config import TeacherConfig
+from teacher.config import TeacherConfig, model_num_layers
 from teacher.data import Prompter, check_dataset, iter_rows
 
 
@@ -120,6 +120,12 @@ BAD_ROWS = [
     ),
     ('{"id": "a\\tb", "text": "x"}', ": key 'a\\tb': sample keys may not be empty"),
     ('{"id": "", "text": "x"}', ": key '': sample keys may not be empty"),
+    ('{"id": "d", "text": "a", "text": "b"}', ": field 'text' appears twice in one JSON object"),
+    (
+        '{"id": "d2", "messages": [{"role": "user", "content": "a", "role": "assistant"}]}',
+        ": field 'role' appears twice in one JSON object",
+    ),
+    ('{"id": "s\\udc80", "text": "x"}', ": not valid UTF-8 (a \\u escape of half a surrogate pair)"),
 ]
 
 
@@ -136,6 +142,52 @@ def test_each_bad_row_kind_fails_with_file_line_and_reason(model, tmp_path, line
     keys, bad = check_dataset(_cfg(model, ds, on_bad_row="skip"))
     assert keys == ["ok", "z"] and [b.line() for b in bad] == lines
     assert [k for k, _ in iter_rows(_cfg(model, ds, on_bad_row="skip"))] == ["ok", "z"]
+
+
+def test_invalid_utf8_in_text_or_key_is_a_bad_row_naming_file_and_line(model, tmp_path):
+    """Bytes that are not UTF-8 in a row's text or key: refused like any bad row (one line with
+    file and line), never read with replacement characters (the key would become 'k\\ufffd(')."""
+    ds = tmp_path / "u.jsonl"
+    ds.write_bytes(
+        b'{"id": "ok", "text": "fine"}\n'
+        b'{"id": "t", "text": "caf\xe9 au lait"}\n'
+        b'{"id": "k\xff(", "text": "x"}\n'
+        b'{"id": "z", "text": "\xf0\x9f\x99\x82 is fine"}\n'
+    )
+    lines = []
+    with pytest.raises(ConfigError) as e:
+        check_dataset(_cfg(model, ds), report=lambda b: lines.append(b.line()))
+    assert lines == [
+        f"{ds}:2: not valid UTF-8 (byte 0xe9 at column 25: invalid continuation byte)",
+        f"{ds}:3: not valid UTF-8 (byte 0xff at column 10: invalid start byte)",
+    ]
+    assert str(e.value) == (
+        f"teacher.dataset: {lines[0]} (and 1 more bad rows); fix the rows or set teacher.on_bad_row=skip"
+    )
+    keys, bad = check_dataset(_cfg(model, ds, on_bad_row="skip"))
+    assert keys == ["ok", "z"] and [b.key for b in bad] == [None, None]
+    assert [r["text"] for _, r in iter_rows(_cfg(model, ds, on_bad_row="skip"))] == ["fine", "🙂 is fine"]
+
+
+def test_model_config_json_with_a_field_twice_is_refused(model, tmp_path):
+    """The model's config.json naming a field twice (json would keep the last silently): one line
+    naming the file, the field and the lines it is at."""
+    import shutil
+
+    m = tmp_path / "m"
+    shutil.copytree(model, m)
+    text = (m / "config.json").read_text()
+    (m / "config.json").write_text(text.rstrip().removesuffix("}") + ',\n  "num_hidden_layers": 36\n}\n')
+    lines = [
+        i for i, x in enumerate((m / "config.json").read_text().splitlines(), 1) if '"num_hidden_layers"' in x
+    ]
+    assert len(lines) == 2
+    with pytest.raises(ConfigError) as e:
+        model_num_layers(str(m))
+    assert str(e.value) == (
+        f"teacher.model: {m / 'config.json'}: field 'num_hidden_layers' appears twice in one JSON object "
+        f"(the name is at lines {lines[0]}, {lines[1]})"
+    )
 
 
 def test_good_chat_and_token_rows_pass(model, tmp_path):
