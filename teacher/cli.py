@@ -22,20 +22,31 @@ SERVE     this process starts its own Publisher (auto_end=False) on the same end
 `teacher.after_generation: exit` skips SERVE: generate now, train offline later (everything not
 committed is in the spool; a later `distill-teacher` with the same config serves it).
 
-Everything that can be wrong with the config, model folder, layer ids, dataset (every row: JSON,
-key, field, text, chat messages, token ids; with on_too_long=fail also the length), the journal's
-lock or the endpoints is checked before vLLM is imported (one line each, exit 2).
+Everything that can be wrong with the config, model folder, layer ids, dataset (every row: UTF-8,
+JSON, a field twice, key, field, text, chat messages, token ids; with on_too_long=fail also the
+length), the journal's lock or the endpoints is checked before vLLM is imported (one line each,
+exit 2).
+
+One teacher per journal: this process holds `<journal>.lock` (distill.journal.OwnerLock) from the
+config check to its exit, across every phase; a second `distill-teacher` on the same journal is
+refused (exit 2, one line naming this one's pid, no summary: the summary is this one's). The
+journal's own lock is held by whichever phase's Publisher appends. A torn last line or damaged
+lines of the journal are set aside when it is first opened (one log line; those keys count as not
+committed); a journal that cannot be read or repaired is one line naming it, exit 2 at start and
+1 mid-run, with the summary written.
 
 Exit codes: 0 every sample committed (after_generation=exit: everything generated and spooled);
-1 the vLLM engine died, the serve phase's publisher failed, or samples are missing (one line with
-counts and the command that finishes the job; END is never sent); 2 config
-or usage error (before vLLM starts); 3 no student progress for `teacher.student_wait_s` with
-samples left (they are in the spool; the printed command finishes the job); 4 finished as 0 but
+1 the vLLM engine died, the serve phase's publisher failed, the journal could not be read, or
+samples are missing (one line with counts and the command that finishes the job; END is never
+sent); 2 config or usage error (before vLLM starts); 3 no student progress for
+`teacher.student_wait_s` with samples left (they are in the spool; the printed command finishes the
+job); 4 finished as 0 but
 dataset rows were skipped (teacher.on_bad_row / on_too_long: skip; listed in
 `<journal>.skipped.jsonl`, counted in the summary); 5 the live probe (teacher.verify_every,
 verify_fail=stop; teacher/verify.py) found a delivered sample that transformers does not reproduce
 (no END); 130 SIGINT/SIGTERM.
-Every exit after the config check writes `teacher.summary_path` (default `<journal>.summary.json`).
+Every exit after the config check writes `teacher.summary_path` (default `<journal>.summary.json`),
+except a refusal because another teacher holds the journal.
 
 How this process knows what students finished: the Publisher of the GENERATE phase lives in vLLM's
 worker process, not here; the journal (committed and lost keys, appended by whichever Publisher
@@ -67,6 +78,7 @@ import socket
 import sys
 
 from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
+from distill.journal import JournalError, OwnerLock
 from distill.spool import SPOOL_FULL_ADVICE, disk_room, spool_bytes
 from teacher.config import TeacherConfig, load_teacher_config, model_dtype
 from teacher.data import BadRow
@@ -122,6 +134,9 @@ def run(
             f"{e}; {st['not_committed']} of {st['total']} samples not committed "
             f"({st['spooled']} in the spool {r.spool_dir}). Restart to finish: {command}"
         )
+        return r.finish(EXIT_MISSING, str(e))
+    except JournalError as e:  # unreadable mid-run (a repairable one was repaired at the start)
+        say(f"{e}; no END was sent. Fix it, then restart to finish: {command}")
         return r.finish(EXIT_MISSING, str(e))
     except KeyboardInterrupt:
         log.warning("aborted: samples not committed are served or generated again on restart")
@@ -291,14 +306,42 @@ def main(argv: list[str] | None = None) -> int:
         overrides = dict(parse_override(s) for s in args.set)
         runfile = load_run_file(args.config, overrides)
         cfg = load_teacher_config(runfile.teacher)
+        owner = take_owner_lock(cfg.journal)
+    except ConfigError as e:
+        print(f"distill-teacher: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:  # ours from here to the exit: no other distill-teacher runs on this journal meanwhile
+        return checked_run(cfg, runfile, command)
+    finally:
+        owner.release()
+
+
+def take_owner_lock(journal: str) -> OwnerLock:
+    """`<journal>.lock` for the whole life of this process, across the engine -> serve switch (the
+    journal's own lock is held only by the phase that appends). Raises ConfigError naming the
+    holder's pid."""
+    try:
+        return OwnerLock(journal).acquire()
+    except JournalError as e:
+        raise ConfigError(f"teacher.journal: {e}") from None
+
+
+def checked_run(cfg: TeacherConfig, runfile, command: str) -> int:
+    keys: list[str] = []
+    bad_rows: list[BadRow] = []
+    try:
         keys, bad_rows = preflight(cfg)
-        check_journal_free(cfg.journal)
+        check_journal_free(cfg.journal)  # also sets aside a torn last line or damaged lines (one log line)
         if cfg.connector_mode == "stream" or cfg.after_generation == "serve":
             check_endpoints_free(runfile.transport)
         return run(cfg, runfile.transport, runfile.spool, keys, command, bad_rows)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except JournalError as e:  # before vLLM: unreadable or not repairable (JournalBusy: ConfigError)
+        say(f"error: teacher.journal: {e}")
+        r = Run(cfg, runfile.transport, runfile.spool, keys, command, bad_rows=list(bad_rows))
+        return r.finish(EXIT_CONFIG, str(e))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes: keep the entry point guarded

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.config import SpoolConfig, TransportConfig
-from distill.journal import Journal
+from distill.journal import Journal, JournalError
 from distill.spool import list_spool, spool_bytes, spool_name
 from teacher.config import TeacherConfig
 
@@ -79,6 +79,7 @@ class Run:
     phases: list[dict] = field(default_factory=list)
     interrupted: bool = False
     reason: str = ""
+    journal_error: str | None = None  # the journal could not be read when the summary was written
 
     @property
     def spool_dir(self) -> Path:
@@ -104,7 +105,12 @@ class Run:
         ]
 
     def state(self) -> dict:
-        committed = self.committed() & self.required
+        """Counts for the summary; an unreadable journal counts nothing as committed (and is named
+        in the summary's `journal_error`): the summary is written at every exit."""
+        try:
+            committed = self.committed() & self.required
+        except JournalError as e:
+            self.journal_error, committed = str(e), set()
         names = self.spooled_names()
         left = [k for k in self.required if k not in committed]
         in_spool = sum(1 for k in left if spool_name(k) in names)
@@ -213,6 +219,7 @@ class Run:
             "spool_dir": str(self.spool_dir),
             "spool_bytes": spool_bytes(self.spool_dir),
             "journal": self.cfg.journal,
+            "journal_error": self.journal_error,
             "teacher_id": self.base_tid,
             "phases": self.phases,
             "command": self.command,

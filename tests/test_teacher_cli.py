@@ -16,6 +16,7 @@ from pathlib import Path
 import faults
 import pytest
 import yaml
+from waiting import wait_until
 
 from distill.config import ConfigError, TransportConfig
 from distill.spool import list_spool, read_spool_file, spool_name
@@ -540,6 +541,134 @@ def test_sigterm_while_serving_exits_130_with_the_spool_intact(assets, tmp_path)
     assert len(list_spool(tmp_path / "spool")) == 3
     s = _summary(cfg)
     assert (s["exit_code"], s["interrupted"], s["spooled"]) == (130, True, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# One teacher per journal for its whole life; a damaged journal (no vLLM: the serve phase only).
+# ---------------------------------------------------------------------------------------------
+
+# The real distill-teacher whose serve Publisher starts only once the test says so: the moment
+# between the engine's shutdown and the serve phase, when no Publisher holds the journal's lock.
+_GAP_BEFORE_SERVE = """
+import sys, time
+from pathlib import Path
+from distill.publisher import Publisher
+real, gap, go = Publisher.start, Path(sys.argv[1]), Path(sys.argv[2])
+def start(self):
+    gap.touch()
+    deadline = time.monotonic() + 120
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return real(self)
+Publisher.start = start
+from teacher.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_a_second_teacher_is_refused_for_the_whole_life_of_the_first(assets, tmp_path):
+    """A second `distill-teacher` on the same journal is refused (exit 2, one line naming the first
+    one's pid) between the first one's phases, when no Publisher holds the journal's lock, and
+    while it serves; it starts nothing and writes no summary. The first one ends as usual."""
+    import signal
+
+    _, model, _ = assets
+    _, cfg, _ = _spooled_run(tmp_path, model, 3, 12, student_wait_s=120, progress_every_s=1)
+    gap, go, log = tmp_path / "gap", tmp_path / "go", tmp_path / "first.log"
+    summary = tmp_path / "journal.txt.summary.json"
+    with open(log, "w") as out:
+        first = subprocess.Popen(
+            [sys.executable, "-c", _GAP_BEFORE_SERVE, str(gap), str(go), "--config", str(cfg)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    try:
+        assert wait_until(lambda: gap.exists() or first.poll() is not None, 120), log.read_text()[-3000:]
+        assert first.poll() is None, log.read_text()[-3000:]
+        for when in ("between phases", "while serving"):
+            second = _run(cfg, timeout=90)
+            assert second.returncode == 2, (when, second.stderr[-3000:])
+            line = [x for x in second.stderr.splitlines() if "is in use by another distill-teacher" in x]
+            assert (
+                len(line) == 1 and f"(pid {first.pid}, holding '{tmp_path / 'journal.txt.lock'}')" in line[0]
+            )
+            assert line[0].startswith("distill-teacher: error: teacher.journal: journal "), line
+            assert "Traceback" not in second.stderr and "serving" not in second.stderr
+            assert not summary.exists(), f"the second teacher wrote a summary ({when})"
+            if when == "between phases":
+                go.touch()
+                assert wait_until(
+                    lambda: "serving: committed" in log.read_text() or first.poll() is not None, 60
+                )
+                assert first.poll() is None, log.read_text()[-3000:]
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(10)
+    assert first.returncode == 130, log.read_text()[-3000:]
+    s = _summary(cfg)
+    assert s["exit_code"] == 130 and s["teacher_id"].endswith(f"-{first.pid}") and s["spooled"] == 3
+
+
+def test_a_torn_journal_line_is_set_aside_and_no_commit_lands_on_it(assets, tmp_path):
+    """The journal's last line torn (`row-00001` cut to `row-0000`, no newline), then the same
+    command: one log line says so, the torn key counts as not committed (served again, not lost),
+    and every commit of the run is a line of its own; exit 0, every key committed once."""
+    _, model, _ = assets
+    keys, cfg, ep = _spooled_run(tmp_path, model, 5, 13, student_wait_s=30, progress_every_s=1)
+    journal = tmp_path / "journal.txt"
+    journal.write_text(keys[0] + "\n" + keys[1][:-1])
+    with _student(ep) as student:
+        r = _run(cfg, timeout=180)
+        student.join(timeout=30)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(student.keys) == sorted(keys[1:]), "the torn key is served again, the rest once"
+    lines = journal.read_text().splitlines()
+    assert sorted(lines) == sorted(keys), lines
+    said = [x for x in r.stderr.splitlines() if "torn last line" in x]
+    assert len(said) == 1 and f"journal {str(journal)!r} has a torn last line (b'{keys[1][:-1]}'" in said[0]
+    (backup,) = tmp_path.glob("journal.txt.damaged-*")
+    assert backup.read_text() == keys[0] + "\n" + keys[1][:-1]
+    assert "Traceback" not in r.stderr and _summary(cfg)["exit_code"] == 0
+
+
+def test_binary_bytes_in_the_journal_are_set_aside_and_an_unreadable_one_is_one_line(assets, tmp_path):
+    """Bytes that are no text appended to the journal, then the same command: no traceback, one
+    log line naming the journal and what was set aside, the run finishes (exit 0, summary). A
+    journal that cannot be read at all: exit 2, one line naming it, and the summary is written."""
+    _, model, _ = assets
+    keys, cfg, ep = _spooled_run(tmp_path, model, 4, 14, student_wait_s=30, progress_every_s=1)
+    journal = tmp_path / "journal.txt"
+    journal.write_bytes(
+        keys[0].encode() + b"\n\x89PNG\r\n\x1a\n\x00\xff\xfe" + keys[1].encode() + b"\n\xff\xd8"
+    )
+    with _student(ep) as student:
+        r = _run(cfg, timeout=180)
+        student.join(timeout=30)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "UnicodeDecodeError" not in r.stderr
+    said = [x for x in r.stderr.splitlines() if "damaged line" in x]
+    assert len(said) == 1, r.stderr[-3000:]
+    assert (
+        f"journal {str(journal)!r} has 2 damaged lines (not UTF-8 text: line 2, 4) and a torn last line"
+        in said[0]
+    )
+    assert sorted(student.keys) == sorted(keys[1:]), "the unreadable record's key is served again"
+    assert set(keys) <= set(journal.read_text().splitlines())
+    s = _summary(cfg)
+    assert (s["exit_code"], s["committed"], s["total"], s["journal_error"]) == (0, 4, 4, None)
+
+    shutil.rmtree(tmp_path / "spool")
+    journal.unlink()
+    journal.mkdir()  # unreadable as a journal (root reads through permissions)
+    r = _run(cfg, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "EngineCore" not in r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("distill-teacher: error: teacher.journal: ")]
+    assert len(line) == 1 and f"journal {str(journal)!r}: Is a directory; " in line[0], r.stderr[-3000:]
+    s = _summary(cfg)
+    assert s["exit_code"] == 2 and "Is a directory" in s["reason"] and "Is a directory" in s["journal_error"]
 
 
 @pytest.mark.vllm
