@@ -25,6 +25,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
          byte on the connector's sender thread; the default is ``xxh3-tree``, hashed chunk by
          chunk by the copy threads)
     Cn, C8n, Dn   as C, C8, D with ``transport.checksum: none``
+    C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
+         receivers get bf16 back from ``Subscriber.get``)
     T    our transport alone, no vLLM: Publisher -> Subscriber(s) of samples of the same size
          (``--prompt-len`` x layers x hidden bf16), over shm and over tcp
 
@@ -46,7 +48,7 @@ connector settings (checksum included) are in its record and in the summary's ``
 the connector's own account of where its time went (``connector``: the engine thread's
 synchronous copies and waits, the sender thread's seconds) is read from the engine's log.
 
-Example (GPU host, vLLM importable; no --modes: A, B, C, C8, D):
+Example (GPU host, vLLM importable; no --modes: A, B, C, C8, D, C_fp8):
     python3 benchmarks/gpu_teacher.py --num-prompts 1024 --prompt-len 1024 --repeats 1 \\
         --commit $(git rev-parse --short HEAD) --out-dir /tmp/gpu_teacher
 """
@@ -116,7 +118,8 @@ for _n, _c in (("x", "xxh3"), ("n", "none")):  # the same modes with another pay
     for _m in ("C", "C8", "D"):
         _kind, _layers, _shm, _extra = MODES[_m]
         MODES[_m + _n] = (_kind, _layers, _shm, {**_extra, "transport": {"checksum": _c}})
-DEFAULT_MODES = "A,B,C,C8,D"
+MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
+DEFAULT_MODES = "A,B,C,C8,D,C_fp8"
 
 
 def log(*a):
@@ -545,7 +548,7 @@ def effective_settings(kind, extra) -> dict:
         "copy_threads": cc.copy_threads,
         "pinned_buffers": cc.pinned_buffers,
         "queue_samples": cc.queue_samples,
-        "hidden_dtype": "model",
+        "hidden_dtype": cc.hidden_dtype,
         "capture": "all",
     }
 
@@ -578,7 +581,7 @@ def connector_report(log_path) -> dict:
             out["pinned_buffers_allocated"] = int(m.group(2))
     pub = out.get("publisher")
     if isinstance(pub, dict):  # the figures that say whether the ring or memory ran out
-        keep = ("sent", "acked", "spooled", "shm_samples", "shm_full", "held_bytes", "spool_full_waits")
+        keep = ("sent", "bytes_sent", "acked", "spooled", "shm_samples", "shm_full", "spool_full_waits")
         out["publisher"] = {k: pub[k] for k in keep if k in pub}
     return out
 

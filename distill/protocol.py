@@ -118,6 +118,7 @@ DTYPES: dict[str, torch.dtype] = {
     "i32": torch.int32,
     "i64": torch.int64,
     "bool": torch.bool,
+    "f8e4m3": torch.float8_e4m3fn,  # teacher.hidden_dtype: fp8 (distill/fp8.py)
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from distill.fp8 import dequantize_sample
 from distill.protocol import Sample, digest_mismatch, sample_x3t, tensor_bytes
 
 SUFFIX = ".safetensors"
@@ -177,10 +178,12 @@ def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
     """Load one spool file (ours or vLLM's ExampleHiddenStatesConnector's) into a Sample.
 
     The tensor bytes are read straight into fresh tensors (one copy, no mmap page faults) and
-    checked against the file's digest. Raises SpoolFormatError (not a well-formed safetensors
+    checked against the file's digest; fp8 hidden states are handed back in the model dtype
+    (distill/fp8.py). Raises SpoolFormatError (not a well-formed safetensors
     file), ValueError (no hidden_states), SpoolChecksumError, or OSError.
     """
-    return read_spool_into(path, lock=lock)[0]
+    # fp8 hidden states (teacher.hidden_dtype: fp8) come back in the model dtype.
+    return dequantize_sample(read_spool_into(path, lock=lock)[0])
 
 
 def read_spool_into(

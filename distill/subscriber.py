@@ -24,6 +24,7 @@ import zmq
 
 from distill import protocol as P
 from distill.config import TransportConfig
+from distill.fp8 import dequantize_sample
 from distill.iothread import RateLimitedLog, TransportError, Wake, tune_malloc
 from distill.protocol import ProtocolError, Sample
 from distill.security import dealer_socket
@@ -120,7 +121,7 @@ class Subscriber(TeacherSessions):
             if item is _END:
                 self._finished = True
                 return None
-            return item
+            return dequantize_sample(item)  # fp8 hidden states back in the model dtype
 
     def ack(self, samples: Sample | Iterable[Sample]) -> None:
         """Acknowledge consumed samples (after the optimizer step that used them): the teacher frees

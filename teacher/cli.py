@@ -158,6 +158,7 @@ def start_run(cfg, transport, spool, keys, command, bad_rows) -> Run:
             r.verify_dir,
             dtype,
             tol=cfg.verify_tol,
+            fp8=cfg.hidden_dtype == "fp8",
             device=cfg.verify_device,
             fail=cfg.verify_fail,
             include_output_tokens=cfg.include_output_tokens,

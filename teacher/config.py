@@ -56,6 +56,11 @@ class ConnectorTuning(Strict):
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.
     copy_threads: int = Field(4, ge=1, le=64)
+    # The dtype hidden states travel and are spooled in: `model` (the model's own), or `fp8`:
+    # float8 e4m3 with one float32 scale per token and layer (distill/fp8.py), half the bytes;
+    # receivers (Subscriber.get, read_spool_file) hand back the model dtype, within 1/16 of each
+    # value (plus scale/1024 for values near zero).
+    hidden_dtype: Literal["model", "fp8"] = "model"
     # At engine (connector) shutdown, generation done: wait at most this long for students to ack
     # the samples they hold before the Publisher spools the rest (the serve phase replays the spool).
     drain_timeout_s: float = Field(5.0, ge=0)

@@ -89,6 +89,7 @@ try:  # vLLM >= 0.27 flags GPU<->CPU syncs when VLLM_GPU_SYNC_CHECK is set; ours
 except ImportError:  # vLLM 0.26
     from contextlib import nullcontext as _sync_allowed
 
+from distill import fp8
 from distill.protocol import DIGEST_CHUNK, ChunkDigests, Sample, chunk_digests, tensor_bytes
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
@@ -316,11 +317,14 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             info.path = pending.filename
         kv = self._kv_cache
         num_tokens = int(pending.token_ids.shape[0])
+        quantize = self.cfg.hidden_dtype == "fp8"
         copy_done = None
         staging = None
+        scale_host = None
         if kv.is_cuda:
-            token_bytes = kv.numel() // (kv.shape[0] * self._block_size) * kv.element_size()
-            nbytes = num_tokens * token_bytes
+            elems = kv.numel() // (kv.shape[0] * self._block_size)  # values per token (all layers)
+            token_bytes = elems + 4 * max(1, len(self.layer_ids)) if quantize else elems * kv.element_size()
+            nbytes = num_tokens * token_bytes + 128  # + the parts' alignment
             staging = self._pinned.take(nbytes) if self._pinned is not None else None
             if staging is None and not wait and self._pinned is not None and self._pinned.capacity > 0:
                 return False  # every pinned buffer busy: later, never a synchronous copy here
@@ -335,16 +339,24 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                     if self._perm_dev is None:
                         self._perm_dev = self._perm.to(kv.device)
                     rows = rows.index_select(1, self._perm_dev)  # configured layer order
-                if staging is not None and rows.numel() * rows.element_size() > staging.numel():
+                parts = list(fp8.quantize(rows)) if quantize else [rows]  # fp8: on the GPU
+                need = _staged_bytes(parts)
+                if staging is not None and need > staging.numel():
                     self._pinned.give(staging)  # the cache held more per token than estimated
                     staging = None
                 if staging is not None:
-                    nbytes = rows.numel() * rows.element_size()
-                    host = staging[:nbytes].view(rows.dtype).view(rows.shape)
-                    host.copy_(rows, non_blocking=True)
+                    hosts, off = [], 0
+                    for t in parts:
+                        n = t.numel() * t.element_size()
+                        h = staging[off : off + n].view(t.dtype).view(t.shape)
+                        h.copy_(t, non_blocking=True)
+                        hosts.append(h)
+                        off += -(-n // 64) * 64  # each part 64-byte aligned in the buffer
                 else:
-                    host = rows.to("cpu")  # no pinned pool (pinned_buffers: 0) or shutdown
+                    hosts = [t.to("cpu") for t in parts]  # no pinned pool (pinned_buffers: 0) or shutdown
                     self._timing["pageable_copies"] += 1
+                host = hosts[0]
+                scale_host = hosts[1] if quantize else None
                 copy_done = torch.cuda.Event()
                 copy_done.record(stream)
         else:
@@ -352,11 +364,15 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             slots = self._slot_mapping(pending.block_ids, num_tokens)
             host = _ref.extract_from_kv_cache(kv, slots, num_tokens)
             host = host.index_select(1, self._perm) if self._perm is not None else host.contiguous()
+            if quantize:
+                host, scale_host = fp8.quantize(host)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
             lock_fd = _take_lock(info.path)
         self._pending_copies[pending.req_id] = copy_done
         job = _Job(pending.req_id, info, pending.token_ids.clone(), host, copy_done, staging, lock_fd)
+        if quantize:
+            job.hidden_scale, job.model_dtype = scale_host, kv.dtype
         try:
             self._queue.put_nowait(job)
         except queue.Full:  # the sender thread is behind: the engine step waits here
@@ -432,11 +448,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._timing["wait_copy_s"] += time.perf_counter() - t0
         # Names in sorted order: a spool file lists its tensors so, and its digest covers them in
         # the order the producer had them (the same order, then).
-        tensors = {
-            "hidden_states": hs,
-            "loss_mask": loss_mask(job.info, int(job.token_ids.shape[0])),
-            "token_ids": job.token_ids,
-        }
+        tensors = {"hidden_states": hs}
+        if job.hidden_scale is not None:  # hidden_dtype fp8: the scales travel beside the values
+            tensors[fp8.SCALE_KEY] = job.hidden_scale
+        tensors["loss_mask"] = loss_mask(job.info, int(job.token_ids.shape[0]))
+        tensors["token_ids"] = job.token_ids
         slot = None
         if job.staging is not None:
             # Out of the pinned buffer (it goes back to the pool at once): straight into a slot of
@@ -451,6 +467,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 tensors = dict(slot.tensors)
             else:
                 tensors["hidden_states"] = self._copy(torch.empty_like(hs), hs)
+                if job.hidden_scale is not None:
+                    tensors[fp8.SCALE_KEY] = job.hidden_scale.clone()  # out of the staging buffer too
             self._pinned.give(job.staging)
             self._timing["copy_s"] += time.perf_counter() - t0
         x3t = None
@@ -462,10 +480,13 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._timing["digest_s"] += time.perf_counter() - t0
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", int(hs.shape[0]))
+        if job.model_dtype is not None:
+            meta["hidden_dtype"] = fp8.dtype_name(job.model_dtype)
         if self._fault == "flip":
-            flipped = tensors["hidden_states"].clone()  # an inference tensor: no in-place update
+            key = fp8.SCALE_KEY if job.hidden_scale is not None else "hidden_states"
+            flipped = tensors[key].clone()  # an inference tensor: no in-place update
             flipped.view(-1)[0] += 1.0
-            tensors["hidden_states"] = flipped
+            tensors[key] = flipped
         sample = Sample(key=job.info.key, tensors=tensors, layers=list(self.layer_ids), meta=meta)
         if self._fault != "flip":  # the flipped copy must not carry the true digest
             sample.x3t = x3t
@@ -571,6 +592,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
             timing = {k: round(v, 3) for k, v in self._timing.items()}
             logger.info("distill: connector timing: %s", timing)
+
+
+def _staged_bytes(parts: list[torch.Tensor]) -> int:
+    """Bytes the parts take in one staging buffer, each 64-byte aligned."""
+    return sum(-(-(t.numel() * t.element_size()) // 64) * 64 for t in parts)
 
 
 def _leaves_into(digests: ChunkDigests, index: int, first: int, part) -> None:

@@ -43,6 +43,8 @@ class _Job:
     copy_done: Any  # CUDA event to wait on before reading `hidden_states`; None on CPU
     staging: torch.Tensor | None  # pinned buffer to give back once copied out; None on CPU
     lock_fd: int | None  # fd holding LOCK_EX on `<path>.lock`; closed once the sample is placed
+    hidden_scale: torch.Tensor | None = None  # [T, L] float32 with hidden_dtype fp8 (else None)
+    model_dtype: torch.dtype | None = None  # what fp8 hidden states stand for (else None)
 
 
 class _PinnedPool:

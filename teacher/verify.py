@@ -14,7 +14,8 @@ transformers from the delivered token ids on `teacher.verify_device`, and compar
 - every delivered layer, by its label: slot i against transformers' state of layer `layers[i]`
   (id 0 = embeddings, k = `hidden_states[k]`, L = the last decoder layer's output before the norm),
   as max |delivered - reference| / max |reference| per layer, against a dtype-aware tolerance
-  (`teacher.verify_tol`; float32 1e-3, float16 2e-2, bfloat16 5e-2).
+  (`teacher.verify_tol`; float32 1e-3, float16 2e-2, bfloat16 5e-2; with `teacher.hidden_dtype:
+  fp8` each plus 1/16, the quantization's bound).
 
 A mismatch is counted, logged with the key and the worst layer, and listed in the summary JSON
 (`verify`); with `verify_fail: stop` generation stops after the current window and the run exits 5
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from distill.fp8 import ERROR_BOUND
 from distill.spool import list_spool, read_spool_file, remove_spool_file
 from teacher.reference import ReferenceStates
 
@@ -51,6 +53,7 @@ class Verifier:
         dtype: str,
         *,
         tol: float | None,
+        fp8: bool = False,
         device: str = "cpu",
         fail: str = "warn",
         include_output_tokens: bool = False,
@@ -58,7 +61,8 @@ class Verifier:
         self.model_dir = model
         self.dir = Path(directory)
         self.dtype = dtype  # float32 / float16 / bfloat16 (auto resolved by the caller)
-        self.tol = tol if tol is not None else DEFAULT_TOL[dtype]
+        # fp8 hidden states (distill/fp8.py) add at most 1/16 of each row's largest value.
+        self.tol = tol if tol is not None else DEFAULT_TOL[dtype] + (ERROR_BOUND if fp8 else 0.0)
         self.device = device
         self.fail = fail
         self.include_output_tokens = include_output_tokens
