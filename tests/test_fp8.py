@@ -42,7 +42,11 @@ def test_quantize_stays_within_the_documented_bound_and_halves_the_bytes(dtype):
     back = fp8.dequantize(q, scale, dtype)
     assert back.dtype == dtype
     # The bound holds for the model-dtype values themselves (bf16 rounding of `back` included).
-    assert within_bound(x, back, scale) if dtype == torch.float32 else within_bound(x, back.float(), scale * 1.01)
+    assert (
+        within_bound(x, back, scale)
+        if dtype == torch.float32
+        else within_bound(x, back.float(), scale * 1.01)
+    )
     assert torch.equal(back[6, 0], torch.zeros_like(back[6, 0]))
     fp8_bytes = q.numel() + scale.numel() * 4
     assert fp8_bytes <= 0.52 * x.numel() * 2  # against bf16
@@ -119,14 +123,14 @@ def test_vllm_teacher_fp8_samples_within_the_bound_of_transformers(tmp_path):
     pytest.importorskip("vllm")
     import json
 
+    import faults
     import yaml
+    from test_teacher_cli import _run
     from transformers import AutoModelForCausalLM
 
     from distill.spool import list_spool
     from distill.tiny import build_tiny_model, write_tiny_dataset
     from teacher.reference import ReferenceStates
-    import faults
-    from test_teacher_cli import _run
 
     model = build_tiny_model(tmp_path / "tiny")
     data = write_tiny_dataset(tmp_path / "d.jsonl", 6, seed=3)
