@@ -37,7 +37,7 @@ from distill.sessions import StudentSessions
 from distill.shm import RingSlot, ShmRing, clean_stale, ring_name
 from distill.spool import disk_room, list_spool
 from distill.spooler import Budget, Spooler
-from distill.students import Entry, Student, StudentTable
+from distill.students import Entry, FlowClock, Student, StudentTable
 
 log = logging.getLogger("distill.transport")
 
@@ -89,6 +89,7 @@ class Publisher(StudentSessions):
         # I/O-thread state
         self._pending: collections.deque[Entry] = collections.deque()  # waiting for a student
         self._students = StudentTable()
+        self._flow = FlowClock()  # who waited on whom (stats: flow_s, student_idle_s, no_credit_s)
         self._refused: dict[bytes, float] = {}  # ident -> last REFUSE sent (rate limit)
 
     # --- public API (any thread) -------------------------------------------------------------
@@ -355,6 +356,7 @@ class Publisher(StudentSessions):
         s["pending"] = len(self._pending) + len(self._inbox)
         s["spool_files"] = len(self._spooler)
         s["read_ahead_ready"] = self._spooler.ready()
+        s.update(self._flow.snapshot())
         s["teacher_id"] = self.tid
         s["run_id"] = self.run_id
         return s
@@ -389,10 +391,20 @@ class Publisher(StudentSessions):
                 self._dispatch()
                 self._spool_if_abandoned(now)
                 self._check_done()
+                self._tick_flow()
         except Exception as e:  # surfaced to submit() callers; never silent
             log.exception("publisher I/O thread failed")
             self._error = e
             self._started.set()
+
+    def _tick_flow(self) -> None:
+        """(I/O thread, after dispatch) The flow clock: whether the producer may still submit (or
+        spool files wait to be replayed) and whether samples wait for credit."""
+        with self._lock:
+            producing = not self._input_closed or bool(self._inbox) or self._spooler.has_new()
+        producing = producing or self._spooler.to_replay() > 0
+        waiting = bool(self._pending) or self._spooler.ready() > 0
+        self._flow.tick(time.monotonic(), self._students, producing, waiting)
 
     def _spool_if_abandoned(self, now: float) -> None:
         """No student for connect_timeout_s: what waits in memory goes to the spool (replayed later)."""

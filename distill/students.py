@@ -110,3 +110,57 @@ class StudentTable:
 
     def has_credit(self) -> bool:
         return any(s.ready and s.credit_samples > 0 for s in self._by_ident.values())
+
+
+class FlowClock:
+    """Who waited on whom, in seconds (the teacher's side of the sizing figures; owned by the
+    Publisher's I/O thread, read by `Publisher.stats`). `tick` is called once per I/O loop turn,
+    after dispatch; the state it sees holds until the next turn (every change of it, a sample
+    submitted or read ahead, an ack, a student joining or leaving, wakes the loop).
+
+    flow_s            time with a student connected (CREDIT received) and samples somewhere:
+                      the producer not done, or samples waiting or in flight
+    student_s         the same, summed over the connected students (mean students = student_s / flow_s)
+    student_idle_s    student-seconds a connected student had nothing in flight (it had acked
+                      everything it was sent, its credit was unused) while the producer was not
+                      done: students waiting on the teacher
+    no_credit_s       seconds with samples ready to send and no student with credit for them: the
+                      teacher waiting on students
+    """
+
+    __slots__ = ("flow_s", "student_s", "student_idle_s", "no_credit_s", "_last", "_state")
+
+    def __init__(self):
+        self.flow_s = self.student_s = self.student_idle_s = self.no_credit_s = 0.0
+        self._last = time.monotonic()
+        self._state = (0, 0, False)  # (students, idle students, samples ready but no credit)
+
+    def tick(self, now: float, table: StudentTable, producing: bool, waiting: bool) -> None:
+        """Account the time since the last tick to the state seen then; note the state now.
+        `producing`: the producer may still submit (or spool files wait to be replayed); `waiting`:
+        samples are ready to send (after dispatch: none of them found a student with credit)."""
+        dt, (n, idle, stuck) = now - self._last, self._state
+        if n:
+            self.flow_s += dt
+            self.student_s += n * dt
+            self.student_idle_s += idle * dt
+            if stuck:
+                self.no_credit_s += dt
+        self._last = now
+        studs = [s for s in table.values() if s.ready]
+        if not studs or not (producing or waiting or any(s.inflight for s in studs)):
+            self._state = (0, 0, False)  # no student, or nothing left anywhere: no flow
+            return
+        if not (producing or waiting):  # the last samples are trained: nothing more would come
+            self._state = (len(studs), 0, False)
+            return
+        idle = sum(1 for s in studs if not s.inflight)
+        self._state = (len(studs), idle, waiting)
+
+    def snapshot(self) -> dict:
+        return {
+            "flow_s": self.flow_s,
+            "student_s": self.student_s,
+            "student_idle_s": self.student_idle_s,
+            "no_credit_s": self.no_credit_s,
+        }

@@ -9,6 +9,7 @@ import time
 
 from distill.journal import JournalTail
 from distill.spool import list_spool, remove_spool_file, spool_name
+from teacher.sizing import delta, shares
 from teacher.state import Run, ServeFailed, Stop, say
 
 log = logging.getLogger("distill.teacher")
@@ -55,12 +56,20 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
         watch.outcome = "signal"
         raise
     finally:
+        _note_flow(r, phase, pub.stats())
         pub.close()
         tail.poll()
         phase["served"] = len(tail.committed & r.required) - committed0
         phase["seconds"] = round(time.monotonic() - t_phase, 3)
         phase["outcome"] = watch.outcome or "gone"
     return watch.outcome, watch.lost
+
+
+def _note_flow(r: Run, phase: dict, st: dict) -> None:
+    """This phase's flow counters into the run's (the sizing figures) and its shares into the phase."""
+    r.flow.add(st)
+    f = shares(delta(st, None), r.spool.readers, r.generated, r.generate_s)
+    phase.update({k: f[k] for k in ("flow_s", "teacher_busy", "student_wait", "teacher_waited")})
 
 
 def _remove_committed_spool_files(r: Run, committed: set[str]) -> None:
@@ -86,7 +95,7 @@ class _Watch:
         self.last_print = now - r.cfg.progress_every_s  # a first line at once
         self.last_rate = (now, committed0)
         self.last_marks = None
-        self.last_read_s = 0.0
+        self.last_stats: dict | None = None
         self.idle_missing_since = None
         self.lost: set[str] = set()
         self.outcome: str | None = None
@@ -156,11 +165,19 @@ class _Watch:
         rate = (len(committed) - c_prev) / max(now - t_prev, 1e-9)
         self.last_rate = (now, len(committed))
         self.last_print = now
-        read_s = st.get("replay_read_s", 0.0)
-        busy = (read_s - self.last_read_s) / max(now - t_prev, 1e-9) / self.r.spool.readers
-        self.last_read_s = read_s
+        d = delta(st, self.last_stats)
+        busy = d["replay_read_s"] / max(now - t_prev, 1e-9) / self.r.spool.readers
+        self.last_stats = st
         idle_s = now - self.last_progress
-        tail = f", ring full {st['shm_full']}x" if st.get("shm_full") else ""
+        tail = ""
+        if d["flow_s"] > 0:  # since the last line: who waited on whom (teacher/sizing.py)
+            f = shares(d, self.r.spool.readers, self.r.generated, self.r.generate_s)
+            if f["ratio"] is not None:
+                tail += f", teacher busy {100 * f['teacher_busy']:.0f}%"
+            tail += f", students waited {100 * f['student_wait']:.0f}%"
+            if f["ratio"] is not None:
+                tail += f", students at {100 * f['ratio']:.0f}% of the teacher's rate"
+        tail += f", ring full {st['shm_full']}x" if st.get("shm_full") else ""
         tail += f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
         say(
             f"serving: committed {len(committed)}/{len(self.required)}, "

@@ -19,6 +19,7 @@ from distill.config import SpoolConfig, TransportConfig
 from distill.journal import Journal, JournalError
 from distill.spool import list_spool, spool_bytes, spool_name
 from teacher.config import TeacherConfig
+from teacher.sizing import Flow, sizing
 
 log = logging.getLogger("distill.teacher")
 
@@ -80,6 +81,7 @@ class Run:
     interrupted: bool = False
     reason: str = ""
     journal_error: str | None = None  # the journal could not be read when the summary was written
+    flow: Flow = field(default_factory=Flow)  # serve phases' flow counters (teacher/sizing.py)
 
     @property
     def spool_dir(self) -> Path:
@@ -177,6 +179,8 @@ class Run:
         summary = self.summary(rc, st)
         path = self.summary_path()
         write_json(path, summary)
+        if summary["sizing"]["flow_s"] > 0:
+            say(f"sizing: {summary['sizing']['recommendation']}")
         gen_s = max(self.generate_s, 1e-9)
         say(
             f"{self.generated} samples, {self.tokens} tokens, {self.nbytes / 1e9:.3f} GB "
@@ -215,6 +219,7 @@ class Run:
             "skipped_file": str(self.skipped_path()),
             "verify": verify,
             "students_max": self.students_max,
+            "sizing": sizing(self.flow, self.spool.readers, self.generated, self.generate_s),
             "interrupted": self.interrupted,
             "spool_dir": str(self.spool_dir),
             "spool_bytes": spool_bytes(self.spool_dir),
