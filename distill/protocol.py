@@ -18,8 +18,8 @@ Sample header keys::
     meta    small metadata map (str -> msgpack scalar / list / map)
     crc     optional CRC32 of the tensor bytes, in tensor order (zlib.crc32, unsigned 32-bit)
     x3      optional xxh3-64 of the tensor bytes, in tensor order (seed 0, unsigned 64-bit int;
-            `transport.checksum: xxh3`)
-    x3t     optional xxh3 tree digest (`transport.checksum: xxh3-tree`, the default; version 3):
+            `transport.checksum: xxh3`, the default)
+    x3t     optional xxh3 tree digest (`transport.checksum: xxh3-tree`; version 3):
             each tensor's bytes, in tensor order, are cut into DIGEST_CHUNK-byte (4 MiB) chunks (the last
             one shorter; an empty tensor has none), each chunk gets its xxh3-64 (seed 0), and
             `x3t` is the xxh3-64 of those chunk digests written as unsigned 64-bit little-endian
@@ -173,7 +173,7 @@ class Sample:
     # `x3`: xxh3-64 (`sample_x3`, the default: ~25 GB/s on one core against CRC32's ~1.5).
     crc: int | None = None
     x3: int | None = None
-    x3t: int | None = None  # xxh3 tree digest (`x3t_of`), the default
+    x3t: int | None = None  # xxh3 tree digest (`x3t_of`)
 
     @property
     def nbytes(self) -> int:

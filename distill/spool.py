@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from distill.fp8 import dequantize_sample
-from distill.protocol import Sample, digest_mismatch, sample_x3t, tensor_bytes
+from distill.protocol import Sample, digest_mismatch, sample_x3, tensor_bytes
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
@@ -76,8 +76,8 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
         "order": json.dumps(list(sample.tensors)),
     }
     # A digest of the tensor bytes in order: a reader checks it (a damaged file is never used). The
-    # digest the sample carries (its xxh3 tree digest, xxh3-64 or CRC32: files of earlier versions
-    # carry those), else an xxh3 tree digest computed here.
+    # digest the sample carries (xxh3 tree, xxh3-64, or CRC32 in files of earlier versions), else
+    # an xxh3-64 computed here (far cheaper than a CRC32).
     if sample.x3t is not None:
         meta["x3t"] = str(sample.x3t)
     elif sample.x3 is not None:
@@ -85,7 +85,7 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
     elif sample.crc is not None:
         meta["crc"] = str(sample.crc)
     else:
-        meta["x3t"] = str(sample_x3t(sample))
+        meta["x3"] = str(sample_x3(sample))
     tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
     try:
         save_file(tensors, str(tmp), metadata=meta)

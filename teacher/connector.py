@@ -473,7 +473,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._timing["copy_s"] += time.perf_counter() - t0
         x3t = None
         if self.cfg.transport.checksum == "xxh3-tree":
-            # The default digest, its 4 MiB leaves hashed by the copy threads in parallel (one
+            # The xxh3 tree digest, its 4 MiB leaves hashed by the copy threads in parallel (one
             # pass of ~1/copy_threads the time of a single xxh3 pass on this thread).
             t0 = time.perf_counter()
             x3t = self._digest(list(tensors.values()))

@@ -47,8 +47,8 @@ def test_tensor_order_and_digest_survive_the_file(tmp_path):
     )
     out = read_spool_file(write_sample(tmp_path, s))  # raised SpoolChecksumError before
     assert list(out.tensors) == ["token_ids", "hidden_states", "loss_mask"]
-    # A sample without a digest gets an xxh3 tree digest in its file.
-    assert out.x3t == sample_x3t(s) == sample_x3t(out) and out.crc is None and out.x3 is None
+    # A sample without a digest gets an xxh3-64 (the cheaper one) in its file.
+    assert out.x3 == sample_x3(s) == sample_x3(out) and out.crc is None and out.x3t is None
 
 
 def _spool_sample(**kw) -> Sample:
@@ -186,8 +186,8 @@ def test_bad_values_are_named(tmp_path):
         load_run_file(tmp_path / "missing.yaml")
 
 
-def test_checksum_defaults_to_xxh3_tree_and_names_unknown_algorithms():
-    assert TransportConfig().checksum == "xxh3-tree"
+def test_checksum_defaults_to_xxh3_and_names_unknown_algorithms():
+    assert TransportConfig().checksum == "xxh3"
     for ok in ("none", "crc32", "xxh3", "xxh3-tree"):
         assert validate(TransportConfig, {"checksum": ok}).checksum == ok
     with pytest.raises(ConfigError, match="checksum"):

@@ -62,7 +62,9 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
     from teacher.connector import DistillHiddenStatesConnector, _Job, _SampleInfo
 
     ep = f"ipc://{tmp_path}/t.sock"
-    tcfg = TransportConfig(bind=[ep], connect=[ep], shm=shm, shm_dir=str(tmp_path), shm_bytes=16 * MiB)
+    tcfg = TransportConfig(
+        bind=[ep], connect=[ep], shm=shm, shm_dir=str(tmp_path), shm_bytes=16 * MiB, checksum="xxh3-tree"
+    )
     conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)  # no engine needed
     conn.cfg = ConnectorConfig(
         transport=tcfg, spool=SpoolConfig(dir=str(tmp_path / "spool")), copy_threads=copy_threads
@@ -125,9 +127,10 @@ def test_layer_perm_maps_the_configured_order_to_the_cache_slots():
     assert cache.index_select(1, perm).flatten().tolist() == ids
 
 
-def test_ring_sample_whose_bytes_changed_after_hashing_is_rejected_and_never_handed_out(tmp_path):
-    """Shared-memory path with the default digest: the bytes in the ring slot no longer match the
-    digest the teacher's copy threads recorded (a byte changed after hashing): the student
+@pytest.mark.parametrize("checksum", ["xxh3", "xxh3-tree"])
+def test_ring_sample_whose_bytes_changed_after_hashing_is_rejected_and_never_handed_out(tmp_path, checksum):
+    """Shared-memory path with the default digest (xxh3) and the tree digest: the bytes in the ring
+    slot no longer match the digest the teacher recorded (a byte changed after hashing): the student
     rejects the sample (counted under 'checksum') and never hands it out."""
     import time
 
@@ -138,18 +141,26 @@ def test_ring_sample_whose_bytes_changed_after_hashing_is_rejected_and_never_han
     from distill.transport import Publisher, Subscriber
 
     ep = f"ipc://{tmp_path}/t.sock"
-    tcfg = TransportConfig(bind=[ep], connect=[ep], shm="auto", shm_dir=str(tmp_path), shm_bytes=16 * MiB)
-    assert tcfg.checksum == "xxh3-tree"
+    tcfg = TransportConfig(
+        bind=[ep], connect=[ep], shm="auto", shm_dir=str(tmp_path), shm_bytes=16 * MiB, checksum=checksum
+    )
+    if checksum == "xxh3":
+        assert TransportConfig().checksum == checksum  # the default
     with Publisher(tcfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(tcfg) as sub:
         deadline = time.monotonic() + 10
         while pub.stats()["students"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        slot = pub.ring_slot({"hidden_states": ([64, 2, 256], torch.float32), "token_ids": ([64], torch.int64)})
+        slot = pub.ring_slot(
+            {"hidden_states": ([64, 2, 256], torch.float32), "token_ids": ([64], torch.int64)}
+        )
         assert slot is not None
         slot.tensors["hidden_states"].copy_(torch.randn(64, 2, 256))
         slot.tensors["token_ids"].copy_(torch.arange(64))
         s = P.Sample(key="damaged", tensors=dict(slot.tensors), layers=[1, 2])
-        s.x3t = P.sample_x3t(s)
+        if checksum == "xxh3":
+            s.x3 = P.sample_x3(s)
+        else:
+            s.x3t = P.sample_x3t(s)
         slot.tensors["hidden_states"].view(-1)[7] += 1.0  # changed after it was hashed
         pub.submit(s, slot=slot)
         deadline = time.monotonic() + 10
