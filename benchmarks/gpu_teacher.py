@@ -21,12 +21,13 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     C1   as C with 1 layer id (``--layers1``);  C8: as C with 8 layer ids (``--layers8``)
     D    as C over tcp with ``transport.shm=off``; ``D:4`` spreads the load over 4 receivers
          (4 tcp connections, the publisher hands each sample to one student by credit)
-    Cx, C8x, Dx   as C, C8, D with ``transport.checksum: xxh3`` (one xxh3-64 pass over every
-         byte on the connector's sender thread; the default is ``xxh3-tree``, hashed chunk by
-         chunk by the copy threads)
+    Cx, C8x, Dx   as C, C8, D with ``transport.checksum: xxh3`` (the default: one xxh3-64 pass
+         over every byte on the connector's sender thread)
+    Ct, C8t, Dt   as C, C8, D with ``transport.checksum: xxh3-tree`` (4 MiB leaves hashed by the
+         connector's copy threads once the sample is out of pinned memory)
     Cn, C8n, Dn   as C, C8, D with ``transport.checksum: none``
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
-         receivers get bf16 back from ``Subscriber.get``)
+         receivers get bf16 back from ``Subscriber.get``); Ct_fp8 the same with xxh3-tree
     T    our transport alone, no vLLM: Publisher -> Subscriber(s) of samples of the same size
          (``--prompt-len`` x layers x hidden bf16), over shm and over tcp
 
@@ -114,11 +115,12 @@ MODES = {
     "D": ("ours", "layers", "off", {}),
     "T": ("transport", "layers", None, {}),
 }
-for _n, _c in (("x", "xxh3"), ("n", "none")):  # the same modes with another payload digest
+for _n, _c in (("x", "xxh3"), ("n", "none"), ("t", "xxh3-tree")):  # the same, another digest
     for _m in ("C", "C8", "D"):
         _kind, _layers, _shm, _extra = MODES[_m]
         MODES[_m + _n] = (_kind, _layers, _shm, {**_extra, "transport": {"checksum": _c}})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
+MODES["Ct_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8", "transport": {"checksum": "xxh3-tree"}})
 DEFAULT_MODES = "A,B,C,C8,D,C_fp8"
 
 
