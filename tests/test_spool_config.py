@@ -186,8 +186,8 @@ def test_bad_values_are_named(tmp_path):
         load_run_file(tmp_path / "missing.yaml")
 
 
-def test_checksum_defaults_to_xxh3_and_names_unknown_algorithms():
-    assert TransportConfig().checksum == "xxh3"
+def test_checksum_defaults_to_xxh3_tree_and_names_unknown_algorithms():
+    assert TransportConfig().checksum == "xxh3-tree"
     for ok in ("none", "crc32", "xxh3", "xxh3-tree"):
         assert validate(TransportConfig, {"checksum": ok}).checksum == ok
     with pytest.raises(ConfigError, match="checksum"):
