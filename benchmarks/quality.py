@@ -446,7 +446,7 @@ def generate_spool(
     t0 = time.time()
     p = Proc(
         "generate",
-        [str(bindir() / "distill-teacher"), "--config", str(gen / "run.yaml")],
+        [*teacher_cmd(), "--config", str(gen / "run.yaml")],
         gen / "teacher.log",
         env,
     )
@@ -458,8 +458,10 @@ def generate_spool(
     return gen, time.time() - t0
 
 
-def bindir() -> Path:
-    return Path(sys.executable).parent
+def teacher_cmd() -> list[str]:
+    """`distill-teacher` beside this interpreter, else the same CLI as a module (a tree on PYTHONPATH)."""
+    script = Path(sys.executable).parent / "distill-teacher"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "teacher.cli"]
 
 
 def wait(p: Proc, timeout: float) -> int | None:
@@ -498,9 +500,7 @@ def linked_spool(gen: Path, dest: Path, work: Path) -> None:
 def run_pair(name: str, cfg_path: Path, work: Path, env: dict, mixed: str, timeout: float) -> float:
     """distill-teacher + accelerate launch student.py on one run file; both must exit 0."""
     t0 = time.time()
-    teacher = Proc(
-        "teacher", [str(bindir() / "distill-teacher"), "--config", str(cfg_path)], work / "teacher.log", env
-    )
+    teacher = Proc("teacher", [*teacher_cmd(), "--config", str(cfg_path)], work / "teacher.log", env)
     senv = dict(env)
     senv.pop("OMP_NUM_THREADS", None)
     student = Proc(
@@ -625,6 +625,10 @@ def eagle3(
         "steps": len(m["steps"]),
         "acc0_first_last": [m["steps"][0].get("acc0"), m["steps"][-1].get("acc0")] if m["steps"] else None,
     }
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # this process's cached blocks (teacher, students) back to vLLM
     evals = {}
     for k, drafts in ((3, ["none", "untrained", "draft/model"]), (5, ["untrained", "draft/model"])):
         out = ew / f"eval_k{k}.json"

@@ -52,7 +52,15 @@ def spec_metrics(metrics) -> dict:
     return got
 
 
-def run(target: str, draft: str | None, prompts: list[str], k: int, max_tokens: int, dtype: str) -> dict:
+def run(
+    target: str,
+    draft: str | None,
+    prompts: list[str],
+    k: int,
+    max_tokens: int,
+    dtype: str,
+    gpu_mem: float = 0.5,
+) -> dict:
     import gc
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -64,6 +72,7 @@ def run(target: str, draft: str | None, prompts: list[str], k: int, max_tokens: 
         dtype=dtype,
         enforce_eager=True,
         max_model_len=512,
+        gpu_memory_utilization=gpu_mem,  # a GPU shared with the process that trained the draft
         disable_log_stats=False,
         speculative_config=spec,
         seed=0,
@@ -90,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", help="also write the JSON result here")
+    ap.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of the GPU (ignored on CPU)"
+    )
     args = ap.parse_args(argv)
     drafts = [None if d in ("", "none") else d for d in args.draft] or [None]
     for p, what in ((args.target, "--target"), *((d, "--draft") for d in drafts)):
@@ -97,7 +109,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"eagle3_eval error: {what} {p!r} has no config.json", file=sys.stderr)
             sys.exit(2)
     prompts = read_prompts(args.prompts)
-    results = [run(args.target, d, prompts, args.k, args.max_tokens, args.dtype) for d in drafts]
+    results = [
+        run(args.target, d, prompts, args.k, args.max_tokens, args.dtype, args.gpu_memory_utilization)
+        for d in drafts
+    ]
     text = json.dumps(results)
     if args.out:
         Path(args.out).write_text(text)
