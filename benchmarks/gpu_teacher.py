@@ -28,11 +28,14 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Cn, C8n, Dn   as C, C8, D with ``transport.checksum: none``
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
          receivers get bf16 back from ``Subscriber.get``); Ct_fp8 the same with xxh3-tree
+    C_loss_mask  as C with ``capture: loss_mask`` and a chat-like loss mask: each request's
+         kv_transfer_params carry ``loss_spans`` [[prompt_len // 2, prompt_len]] (the second half
+         is the "assistant" answer), so each sample holds the states of half its tokens
     T    our transport alone, no vLLM: Publisher -> Subscriber(s) of samples of the same size
          (``--prompt-len`` x layers x hidden bf16), over shm and over tcp
 
-Every received sample is checked: hidden_states shape [prompt_len, num_layers, hidden] and dtype
-bf16, token_ids equal to the prompt that produced it, the sample key (ours) naming that prompt,
+Every received sample is checked: hidden_states shape [prompt_len, num_layers, hidden] (C_loss_mask:
+the second half's rows, and ``positions`` naming them) and dtype bf16, token_ids equal to the prompt that produced it, the sample key (ours) naming that prompt,
 and layer ids; the receiver copies the hidden states once (as a student moving them to its GPU
 would), so B and C both read every byte.
 
@@ -49,7 +52,7 @@ connector settings (checksum included) are in its record and in the summary's ``
 the connector's own account of where its time went (``connector``: the engine thread's
 synchronous copies and waits, the sender thread's seconds) is read from the engine's log.
 
-Example (GPU host, vLLM importable; no --modes: A, B, C, C8, D, C_fp8):
+Example (GPU host, vLLM importable; no --modes: A, B, C, C8, D, C_fp8, C_loss_mask):
     python3 benchmarks/gpu_teacher.py --num-prompts 1024 --prompt-len 1024 --repeats 1 \\
         --commit $(git rev-parse --short HEAD) --out-dir /tmp/gpu_teacher
 """
@@ -121,7 +124,14 @@ for _n, _c in (("x", "xxh3"), ("n", "none"), ("t", "xxh3-tree")):  # the same, a
         MODES[_m + _n] = (_kind, _layers, _shm, {**_extra, "transport": {"checksum": _c}})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
 MODES["Ct_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8", "transport": {"checksum": "xxh3-tree"}})
-DEFAULT_MODES = "A,B,C,C8,D,C_fp8"
+# teacher.capture: loss_mask with half of every prompt masked (chat_mask: the benchmark's own flag)
+MODES["C_loss_mask"] = ("ours", "layers", "auto", {"capture": "loss_mask", "chat_mask": True})
+DEFAULT_MODES = "A,B,C,C8,D,C_fp8,C_loss_mask"
+
+
+def chat_spans(prompt_len: int) -> list[list[int]]:
+    """C_loss_mask's loss spans: the second half of the prompt is trained (a chat answer)."""
+    return [[prompt_len // 2, prompt_len]]
 
 
 def log(*a):
@@ -243,8 +253,12 @@ class Checker:
         warm, timed = make_prompts(args, vocab)
         self.warm, self.timed = warm, timed
         self.by_head = {tuple(p[:16]): (None, p) for p in warm + timed}
-        self.shape = (args.prompt_len, len(layers), hidden)
         self.layers = list(layers)
+        # C_loss_mask: the sample holds the rows of its loss spans only, named by `positions`
+        spans = chat_spans(args.prompt_len) if getattr(args, "chat_mask", False) else [[0, args.prompt_len]]
+        self.positions = [i for a, b in spans for i in range(a, b)]
+        self.shape = (len(self.positions), len(layers), hidden)
+        self.partial = len(self.positions) < args.prompt_len
 
     def expected(self, key, ids):
         """(key, prompt) the sample should match. Keys: w-<i> warm-up, p<pass>-<i> timed prompt i,
@@ -262,12 +276,14 @@ class Checker:
                 return None, None
         return self.by_head.get(tuple(ids[:16].tolist()), (None, None))
 
-    def check(self, hs, ids, key=None, layers=None) -> dict:
+    def check(self, hs, ids, key=None, layers=None, positions=None) -> dict:
         torch = self.torch
         k, prompt = self.expected(key, ids)
         copy = hs.clone()  # read every byte once, as a student moving it to its GPU would
+        held = positions.tolist() if positions is not None else None
         r = {
-            "shape": tuple(hs.shape) == self.shape,
+            "shape": tuple(hs.shape) == self.shape
+            and (held == self.positions if self.partial else positions is None),
             "dtype": hs.dtype == torch.bfloat16,
             "ids": prompt is not None
             and ids.numel() == len(prompt)
@@ -374,7 +390,7 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
         if s is None:
             continue
         try:
-            r = chk.check(s.tensors["hidden_states"], s.tensors["token_ids"], s.key, s.layers)
+            r = chk.check(s.tensors["hidden_states"], s.tensors["token_ids"], s.key, s.layers, s.positions)
             _report(res_q, idx, r)
         except Exception as e:
             errors.append(repr(e))
@@ -551,7 +567,7 @@ def effective_settings(kind, extra) -> dict:
         "pinned_buffers": cc.pinned_buffers,
         "queue_samples": cc.queue_samples,
         "hidden_dtype": cc.hidden_dtype,
-        "capture": "all",
+        "capture": cc.capture,
     }
 
 
@@ -698,6 +714,7 @@ def run_one(args):
     kind, layer_key, shm, mode_extra = MODES[name]
     mode_extra = dict(mode_extra)
     args.receiver_threads = mode_extra.pop("receiver_threads", args.receiver_threads)
+    args.chat_mask = mode_extra.pop("chat_mask", False)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     hf = model_config(args)
     hidden = hf["hidden_size"]
@@ -799,13 +816,14 @@ def run_one(args):
 
     def batch(prompts, prefix):
         ps = [{"prompt_token_ids": p} for p in prompts]
+        spans = {"loss_spans": chat_spans(args.prompt_len)} if args.chat_mask else {}
         if kind == "ours":  # the sample key travels in the request's kv_transfer_params
             sps = [
                 SamplingParams(
                     max_tokens=1,
                     temperature=0.0,
                     detokenize=False,
-                    extra_args={"kv_transfer_params": {args.key_param: f"{prefix}-{i}"}},
+                    extra_args={"kv_transfer_params": {args.key_param: f"{prefix}-{i}", **spans}},
                 )
                 for i in range(len(prompts))
             ]

@@ -31,6 +31,9 @@ Sample header keys::
             (one offset per tensor; the slot's stamp word holds `stamp` while the slot is this
             sample's: the receiver checks it after copying, see `Sample.stamp`)
 
+A sample may hold the states of some token positions only (`positions`, distill/capture.py);
+`decode_sample` rejects one whose `positions` disagrees with what it holds (ProtocolError("positions")).
+
 Control records (HELLO, CREDIT, ACK, COMMIT, ...) carry metadata only: one frame, no tensors. Each
 kind's fields are a typed record (`CONTROL_FIELDS`): `decode_control` rejects a record with a
 missing field or a field of the wrong type, and drops fields it does not know.
@@ -50,8 +53,11 @@ import msgpack
 import torch
 import xxhash
 
-# 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references; 3: the `x3t` digest
-PROTOCOL_VERSION = 3
+from distill.capture import POSITIONS_KEY, positions_problem
+
+# 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references; 3: the `x3t` digest;
+# 4: a sample may hold the states of some token positions only (`positions`, teacher.capture)
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a header is metadata, never data
 MAX_NDIM = 8
 MAX_TENSORS = 64
@@ -133,6 +139,7 @@ REJECT_REASONS = (
     "frames",  # missing or extra frames
     "length",  # shape x itemsize != frame length
     "checksum",
+    "positions",  # `positions` disagrees with what the sample holds (distill/capture.py)
     "foreign",  # a well-formed message from a peer or session it does not belong to
 )
 
@@ -152,7 +159,8 @@ class Sample:
     Attributes:
         key: sample key from the dataset (unique across the run).
         tensors: name -> tensor. vLLM's layout: `hidden_states` [num_tokens, num_layers, hidden],
-            `token_ids` [num_tokens].
+            `token_ids` [num_tokens]; with `positions` (teacher.capture: loss_mask) `hidden_states`
+            holds those positions' rows only (distill/capture.py).
         layers: teacher layer ids, in the order of `hidden_states`' second dimension.
         meta: small metadata map (prompt length, dataset row, ...).
         teacher: id of the teacher that produced it.
@@ -178,6 +186,11 @@ class Sample:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """The token positions whose states it holds (distill/capture.py); None: every one."""
+        return self.tensors.get(POSITIONS_KEY)
 
     @property
     def num_tokens(self) -> int:
@@ -559,6 +572,9 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     bad = digest_mismatch(bufs, crc, x3, x3t)
     if bad is not None:
         raise ProtocolError("checksum", f"payload {bad[0]} mismatch for sample {key!r}")
+    why = positions_problem(tensors)
+    if why is not None:
+        raise ProtocolError("positions", f"sample {key!r}: {why}")
     out = Sample(
         key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc, x3=x3, x3t=x3t
     )

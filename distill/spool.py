@@ -1,7 +1,9 @@
 """The safetensors fallback: one file per sample in vLLM's layout, written atomically.
 
 A spool file holds the sample's tensors (`hidden_states` [num_tokens, num_layers, hidden] and
-`token_ids` [num_tokens], as vLLM's ExampleHiddenStatesConnector writes them) and, in the
+`token_ids` [num_tokens], as vLLM's ExampleHiddenStatesConnector writes them, plus `loss_mask`
+[num_tokens] and, with `teacher.capture: loss_mask`, `positions` [R]: then `hidden_states` holds
+those R positions' rows only, distill/capture.py) and, in the
 safetensors header metadata, the sample key, teacher id, sequence number, layer ids, metadata and
 a digest of the tensor bytes (`x3`: xxh3-64, or `crc`: CRC32 in files of earlier versions) that
 `read_spool_file` verifies.
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from distill.capture import positions_problem
 from distill.fp8 import dequantize_sample
 from distill.protocol import Sample, digest_mismatch, sample_x3, tensor_bytes
 
@@ -180,7 +183,8 @@ def read_spool_file(path: str | os.PathLike, *, lock: bool = True) -> Sample:
     The tensor bytes are read straight into fresh tensors (one copy, no mmap page faults) and
     checked against the file's digest; fp8 hidden states are handed back in the model dtype
     (distill/fp8.py). Raises SpoolFormatError (not a well-formed safetensors
-    file), ValueError (no hidden_states), SpoolChecksumError, or OSError.
+    file, or `positions` that disagree with what it holds), ValueError (no hidden_states),
+    SpoolChecksumError, or OSError.
     """
     # fp8 hidden states (teacher.hidden_dtype: fp8) come back in the model dtype.
     return dequantize_sample(read_spool_into(path, lock=lock)[0])
@@ -230,6 +234,9 @@ def read_spool_into(
         if bad is not None:
             name, got_d, want = bad
             raise SpoolChecksumError(f"{p}: tensor bytes do not match the file's {name} ({got_d} != {want})")
+        why = positions_problem(tensors)
+        if why is not None:  # teacher.capture: loss_mask (distill/capture.py)
+            raise SpoolFormatError(f"{p}: {why}")
         sample = Sample(
             crc=crc,
             x3=x3,

@@ -42,6 +42,9 @@ class Batch:
         loss_mask: [B, T] bool, the teacher's per-token loss mask (`Sample` tensor `loss_mask`):
             True on tokens to train on (`student.loss_on: masked`), False on padding; all True on
             the real tokens of a sample that has none (older teachers and spool files).
+        held: [B, T] bool, True where `teacher` holds the teacher's states; None: on every real
+            token. Samples with `positions` (teacher.capture: loss_mask) hold some positions only:
+            `teacher` is 0 elsewhere and the losses that read it count held positions only.
     """
 
     input_ids: torch.Tensor
@@ -51,6 +54,7 @@ class Batch:
     lengths: list[int] | None = None
     pad_to: int = 1  # T is a multiple of this (collate's pad_to_multiple_of; select keeps it)
     loss_mask: torch.Tensor | None = None  # None: every real token (as `mask`)
+    held: torch.Tensor | None = None  # None: the teacher's states on every real token
 
     @property
     def padded(self) -> bool:
@@ -87,7 +91,8 @@ class Batch:
                 teacher.index_copy_(0, pos.to(device, non_blocking=non_blocking), packed)
                 teacher = teacher.view(b, t, *rest)
         lm = self.loss_mask.to(device, non_blocking=non_blocking) if self.loss_mask is not None else None
-        return Batch(ids, mask, teacher, self.layer_ids, loss_mask=lm)
+        held = self.held.to(device, non_blocking=non_blocking) if self.held is not None else None
+        return Batch(ids, mask, teacher, self.layer_ids, loss_mask=lm, held=held)
 
 
 def _positions(lengths: list[int], t: int) -> torch.Tensor:
@@ -138,18 +143,27 @@ def unused_layers_hint(sent: list[int], needed: list[int]) -> str | None:
     )
 
 
-def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int) -> None:
-    """Raise StudentError when `sample` cannot feed this student (layers, shapes, hidden size)."""
+def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int, partial_ok: bool = True) -> None:
+    """Raise StudentError when `sample` cannot feed this student (layers, shapes, hidden size;
+    `partial_ok` False: a sample that holds some positions only, teacher.capture: loss_mask)."""
     hs = sample.tensors.get("hidden_states")
     ids = sample.tensors.get("token_ids")
     if hs is None or ids is None:
         raise StudentError(
             f"sample {sample.key!r} has tensors {sorted(sample.tensors)}; need 'hidden_states' and 'token_ids'"
         )
-    if hs.dim() != 3 or ids.dim() != 1 or hs.shape[0] != ids.shape[0]:
+    pos = sample.positions
+    if pos is not None and not partial_ok:
+        raise StudentError(
+            f"sample {sample.key!r} holds the states of {pos.shape[0]} of its {ids.shape[0]} tokens "
+            "(teacher.capture: loss_mask), but the EAGLE-3 draft attends to every earlier position's "
+            "states (the prompt's too): run the teacher with teacher.capture: all"
+        )
+    rows = ids.shape[0] if pos is None else pos.shape[0]
+    if hs.dim() != 3 or ids.dim() != 1 or hs.shape[0] != rows:
         raise StudentError(
             f"sample {sample.key!r}: hidden_states {list(hs.shape)} and token_ids {list(ids.shape)} "
-            "must be [T, n_layers, H] and [T]"
+            "must be [T, n_layers, H] and [T] (R rows with R positions)"
         )
     lm = sample.tensors.get("loss_mask")
     if lm is not None and (lm.dim() != 1 or lm.shape[0] != ids.shape[0]):
@@ -183,6 +197,8 @@ def collate(
     input_ids = torch.zeros(len(samples), t_max, dtype=torch.long)
     mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
     loss_mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
+    partial = any(s.positions is not None for s in samples)
+    held = torch.zeros(len(samples), t_max, dtype=torch.bool) if partial else None
     teacher = torch.empty(sum(lengths), len(layer_ids), hidden, dtype=dtype, pin_memory=pin_memory)
     off = 0
     for b, s in enumerate(samples):
@@ -193,12 +209,29 @@ def collate(
         mask[b, :n] = True
         lm = s.tensors.get("loss_mask")
         loss_mask[b, :n] = True if lm is None else lm.bool()  # (shape checked by check_sample)
-        copy_layers(teacher[off : off + n], hs, pos)
+        at = s.positions
+        if at is None:
+            copy_layers(teacher[off : off + n], hs, pos)
+            if held is not None:
+                held[b, :n] = True
+        else:  # some positions only: their rows where they belong, 0 elsewhere (never read)
+            rows = torch.empty(hs.shape[0], len(layer_ids), hidden, dtype=dtype)
+            copy_layers(rows, hs, pos)
+            teacher[off : off + n].zero_().index_copy_(0, at.long(), rows)
+            held[b, at.long()] = True
         off += n
     if pin_memory:
         input_ids, mask, loss_mask = input_ids.pin_memory(), mask.pin_memory(), loss_mask.pin_memory()
+        held = held.pin_memory() if held is not None else None
     return Batch(
-        input_ids, mask, teacher, list(layer_ids), lengths, max(pad_to_multiple_of, 1), loss_mask=loss_mask
+        input_ids,
+        mask,
+        teacher,
+        list(layer_ids),
+        lengths,
+        max(pad_to_multiple_of, 1),
+        loss_mask=loss_mask,
+        held=held,
     )
 
 
@@ -221,6 +254,7 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     idx = torch.tensor(keep, dtype=torch.long)
     mask = batch.mask.index_select(0, idx)
     lm = batch.loss_mask.index_select(0, idx) if batch.loss_mask is not None else None
+    held = batch.held.index_select(0, idx) if batch.held is not None else None
     if batch.lengths is None:
         t = int(mask.sum(1).max()) if keep else 0
         return Batch(
@@ -229,6 +263,7 @@ def select(batch: Batch, keep: list[int]) -> Batch:
             batch.teacher.index_select(0, idx)[:, :t].contiguous(),
             batch.layer_ids,
             loss_mask=lm[:, :t].contiguous() if lm is not None else None,
+            held=held[:, :t].contiguous() if held is not None else None,
         )
     lengths = [batch.lengths[i] for i in keep]
     longest = max(lengths) if keep else 0
@@ -248,10 +283,12 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     ids = batch.input_ids.index_select(0, idx)[:, :t].contiguous()
     mask = mask[:, :t].contiguous()
     lm = lm[:, :t].contiguous() if lm is not None else None
+    held = held[:, :t].contiguous() if held is not None else None
     if pinned:
         ids, mask = ids.pin_memory(), mask.pin_memory()
         lm = lm.pin_memory() if lm is not None else None
-    return Batch(ids, mask, teacher, batch.layer_ids, lengths, batch.pad_to, loss_mask=lm)
+        held = held.pin_memory() if held is not None else None
+    return Batch(ids, mask, teacher, batch.layer_ids, lengths, batch.pad_to, loss_mask=lm, held=held)
 
 
 def key_hash(key: str) -> int:

@@ -15,6 +15,10 @@ narrows the tokens a term is averaged over:
     loss_mask[i + 1]; at a row's last real position, whose next token is not in the sample (a
     generated response's last state), when loss_mask[i]. See `target_mask`.
 None: every real token counts (`loss_on: all`).
+
+Samples that hold some positions' teacher states only (`teacher.capture: loss_mask`, `Batch.held`):
+the hidden-state terms and kl count held positions only (the caller narrows the mask; kl's `held`);
+ce reads no teacher state and is unaffected.
 """
 
 from __future__ import annotations
@@ -136,8 +140,11 @@ def kl(
     mask: torch.Tensor,
     temperature: float = 1.0,
     loss_mask: torch.Tensor | None = None,
+    held: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL(teacher || student) of the softened next-token distributions, averaged over real tokens.
+    `held` ([B, T] bool, optional): the positions whose teacher states (hence logits) exist
+    (teacher.capture: loss_mask); a position counts only when held.
 
     Args:
         student_logits: [B, T, V].
@@ -152,7 +159,8 @@ def kl(
     t_logp = F.log_softmax(_up(teacher_logits) / temperature, dim=-1)
     s_logp = F.log_softmax(_up(student_logits) / temperature, dim=-1)
     per_token = (t_logp.exp() * (t_logp - s_logp)).sum(dim=-1)  # [B, T]
-    m = target_mask(mask, loss_mask).to(per_token.dtype)
+    m = target_mask(mask, loss_mask)
+    m = (m if held is None else m & held.bool()).to(per_token.dtype)
     return (per_token * m).sum() / _tokens(m) * temperature**2
 
 

@@ -90,13 +90,18 @@ def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConf
     terms: dict[str, torch.Tensor] = {}
     pair_total = sum(p.weight for p in cfg.layer_map) or 1.0
     lm = batch.loss_mask if cfg.loss_on == "masked" else None  # None: every real token counts
+    held = batch.held  # teacher.capture: loss_mask: terms that read the teacher's states count held positions
+    lm_t = held if lm is None else (lm if held is None else lm & held)
     for name, fn in (("mse", losses.mse), ("cosine", losses.cosine), ("nmse", losses.nmse)):
         if getattr(w, name) > 0:
             terms[name] = (
                 sum(
                     p.weight
                     * fn(
-                        h.float(), batch.teacher[:, :, pos[p.teacher_layer]].float(), batch.mask, loss_mask=lm
+                        h.float(),
+                        batch.teacher[:, :, pos[p.teacher_layer]].float(),
+                        batch.mask,
+                        loss_mask=lm_t,
                     )
                     for p, h in zip(cfg.layer_map, mapped, strict=True)
                 )
@@ -104,7 +109,7 @@ def compute_loss(model, head: TeacherHead | None, batch: Batch, cfg: StudentConf
             )
     if w.kl > 0:
         teacher_logits = head(batch.teacher[:, :, pos[teacher_last]].float())
-        terms["kl"] = losses.kl(logits, teacher_logits, batch.mask, cfg.temperature, loss_mask=lm)
+        terms["kl"] = losses.kl(logits, teacher_logits, batch.mask, cfg.temperature, loss_mask=lm, held=held)
     if w.ce > 0:
         terms["ce"] = losses.ce(logits, batch.input_ids, batch.mask, loss_mask=lm)
     loss = sum(getattr(w, k) * v for k, v in terms.items())

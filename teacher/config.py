@@ -61,6 +61,12 @@ class ConnectorTuning(Strict):
     # receivers (Subscriber.get, read_spool_file) hand back the model dtype, within 1/16 of each
     # value (plus scale/1024 for values near zero).
     hidden_dtype: Literal["model", "fp8"] = "model"
+    # Which token positions' states travel and are spooled: `all`, or `loss_mask`: only those where
+    # the sample's loss_mask is 1 (a chat row's assistant turns, generated tokens), named by the
+    # sample's `positions` [R] int32 (distill/capture.py); token_ids and loss_mask stay whole. A
+    # sample whose mask is all zeros then holds no states (R = 0). A request's
+    # kv_transfer_params["capture"] overrides it for that request.
+    capture: Literal["all", "loss_mask"] = "all"
     # At engine (connector) shutdown, generation done: wait at most this long for students to ack
     # the samples they hold before the Publisher spools the rest (the serve phase replays the spool).
     drain_timeout_s: float = Field(5.0, ge=0)

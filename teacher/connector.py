@@ -56,7 +56,12 @@ spool folder, not from the response. Per-request `kv_transfer_params` in: `sampl
 `meta` (a small msgpack-able map carried in the sample header), `include_output_tokens` (bool),
 `verify` (bool: with `verify_dir` set, a copy of what is delivered is written there for the live
 probe, teacher/verify.py), `loss_spans` (the prompt's loss mask as [start, end) token spans;
-teacher/data.py's Prompter computes it).
+teacher/data.py's Prompter computes it), `capture` ("all" or "loss_mask": this request's
+`teacher.capture`).
+
+With capture `loss_mask` the loss mask is computed on the engine step, and only the rows of its
+ones are gathered off the cache (before the device-to-host copy, and before fp8 quantization:
+scales only for those rows); the sample says which in `positions` [R] int32 (distill/capture.py).
 
 Every sample carries `loss_mask` [num_tokens] uint8 next to `hidden_states` and `token_ids` (in the
 stream and in spool files; vLLM's `load_hidden_states` returns it as one more entry of its dict):
@@ -90,6 +95,7 @@ except ImportError:  # vLLM 0.26
     from contextlib import nullcontext as _sync_allowed
 
 from distill import fp8
+from distill.capture import CAPTURES, POSITIONS_KEY, held_positions
 from distill.protocol import DIGEST_CHUNK, ChunkDigests, Sample, chunk_digests, tensor_bytes
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
@@ -215,12 +221,17 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 req_id,
             )
             spans = None
+        capture = kv_params.get("capture", self.cfg.capture)
+        if capture not in CAPTURES:  # as a malformed mask: the engine goes on, with the default
+            logger.warning("distill: request %s: kv_transfer_params['capture'] %r ignored", req_id, capture)
+            capture = self.cfg.capture
         return _SampleInfo(
             key=key,
             meta=meta,
             path=os.path.join(self.cfg.spool.dir, spool_name(key)),
             verify=bool(kv_params.get("verify")) and self.cfg.verify_dir is not None,
             loss_spans=[[int(a), int(b)] for a, b in spans] if spans is not None else None,
+            capture=capture,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -318,23 +329,29 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         kv = self._kv_cache
         num_tokens = int(pending.token_ids.shape[0])
         quantize = self.cfg.hidden_dtype == "fp8"
+        slots = self._slot_mapping(pending.block_ids, num_tokens)
+        mask = positions = None
+        if info.capture == "loss_mask":  # only the trained positions' rows leave the cache
+            mask = loss_mask(info, num_tokens)
+            positions = held_positions(mask)
+            slots = slots.index_select(0, positions.long())
+        num_rows = int(slots.shape[0])
         copy_done = None
         staging = None
         scale_host = None
         if kv.is_cuda:
             elems = kv.numel() // (kv.shape[0] * self._block_size)  # values per token (all layers)
             token_bytes = elems + 4 * max(1, len(self.layer_ids)) if quantize else elems * kv.element_size()
-            nbytes = num_tokens * token_bytes + 128  # + the parts' alignment
+            nbytes = num_rows * token_bytes + 128  # + the parts' alignment
             staging = self._pinned.take(nbytes) if self._pinned is not None else None
             if staging is None and not wait and self._pinned is not None and self._pinned.capacity > 0:
                 return False  # every pinned buffer busy: later, never a synchronous copy here
-            slots = self._slot_mapping(pending.block_ids, num_tokens)
             stream = self._get_copy_stream()
             ready = torch.cuda.Event()
             ready.record()
             stream.wait_event(ready)  # the copy sees every write of the forward pass
             with torch.cuda.stream(stream), _sync_allowed():
-                rows = _ref.extract_from_kv_cache(kv, slots.to(kv.device, non_blocking=True), num_tokens)
+                rows = _ref.extract_from_kv_cache(kv, slots.to(kv.device, non_blocking=True), num_rows)
                 if self._perm is not None:
                     if self._perm_dev is None:
                         self._perm_dev = self._perm.to(kv.device)
@@ -361,8 +378,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 copy_done.record(stream)
         else:
             # CPU: advanced indexing already gathers into a new tensor; no pinning, streams or events.
-            slots = self._slot_mapping(pending.block_ids, num_tokens)
-            host = _ref.extract_from_kv_cache(kv, slots, num_tokens)
+            host = _ref.extract_from_kv_cache(kv, slots, num_rows)
             host = host.index_select(1, self._perm) if self._perm is not None else host.contiguous()
             if quantize:
                 host, scale_host = fp8.quantize(host)
@@ -373,6 +389,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         job = _Job(pending.req_id, info, pending.token_ids.clone(), host, copy_done, staging, lock_fd)
         if quantize:
             job.hidden_scale, job.model_dtype = scale_host, kv.dtype
+        job.loss_mask, job.positions = mask, positions
         try:
             self._queue.put_nowait(job)
         except queue.Full:  # the sender thread is behind: the engine step waits here
@@ -451,7 +468,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         tensors = {"hidden_states": hs}
         if job.hidden_scale is not None:  # hidden_dtype fp8: the scales travel beside the values
             tensors[fp8.SCALE_KEY] = job.hidden_scale
-        tensors["loss_mask"] = loss_mask(job.info, int(job.token_ids.shape[0]))
+        num_tokens = int(job.token_ids.shape[0])
+        tensors["loss_mask"] = job.loss_mask if job.loss_mask is not None else loss_mask(job.info, num_tokens)
+        if job.positions is not None:  # capture loss_mask: the rows `hidden_states` holds
+            tensors[POSITIONS_KEY] = job.positions
         tensors["token_ids"] = job.token_ids
         slot = None
         if job.staging is not None:
@@ -479,7 +499,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             x3t = self._digest(list(tensors.values()))
             self._timing["digest_s"] += time.perf_counter() - t0
         meta = dict(job.info.meta)
-        meta.setdefault("num_tokens", int(hs.shape[0]))
+        meta.setdefault("num_tokens", num_tokens)
         if job.model_dtype is not None:
             meta["hidden_dtype"] = fp8.dtype_name(job.model_dtype)
         if self._fault == "flip":

@@ -30,6 +30,7 @@ class _SampleInfo:
     # the request did not say (prompt all ones, or all zeros when generated tokens are kept).
     loss_spans: list[list[int]] | None = None
     prompt_len: int = -1  # prompt tokens (set when the request finishes; -1: unknown)
+    capture: str = "all"  # "all" or "loss_mask": which positions' states travel (teacher.capture)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class _Job:
     lock_fd: int | None  # fd holding LOCK_EX on `<path>.lock`; closed once the sample is placed
     hidden_scale: torch.Tensor | None = None  # [T, L] float32 with hidden_dtype fp8 (else None)
     model_dtype: torch.dtype | None = None  # what fp8 hidden states stand for (else None)
+    loss_mask: torch.Tensor | None = None  # [T] uint8, computed at extraction (capture loss_mask)
+    positions: torch.Tensor | None = None  # [R] int32: the rows `hidden_states` holds (else all)
 
 
 class _PinnedPool:

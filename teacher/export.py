@@ -180,6 +180,7 @@ def _open_source(
     norm = load_final_norm(info) if fmt == "specforge" else None
 
     first = _read(files[0])
+    _whole(files[0], first)
     layers = list(layer_ids) if layer_ids else list(first.layers)
     if layer_ids and first.layers and list(first.layers) != list(layer_ids):
         raise ExportError(f"--layer-ids {layer_ids} disagree with the files' own layer ids {first.layers}")
@@ -194,9 +195,21 @@ def _open_source(
     return _Source(spool, files, first, plan, hidden, dtype, info, norm)
 
 
+def _whole(path: Path, s: Sample) -> None:
+    """Refuse a sample that holds some positions only (teacher.capture: loss_mask): both layouts
+    train an EAGLE-3 draft, which attends to every earlier position's states (the prompt's too)."""
+    if s.positions is not None:
+        raise ExportError(
+            f"{path} holds the states of {s.positions.shape[0]} of its {s.num_tokens} tokens "
+            "(teacher.capture: loss_mask); draft training data needs every position's: export the "
+            "spool of a teacher run with teacher.capture: all"
+        )
+
+
 def _checked_tensors(src: _Source, path: Path, s: Sample) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One spool file's hidden states and token ids checked against the first file's; the token
     ids (int64) and its loss mask (None when the file has none)."""
+    _whole(path, s)
     layers = src.plan.layers
     hs = s.tensors["hidden_states"]
     ids = s.tensors.get("token_ids")

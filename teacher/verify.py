@@ -154,6 +154,8 @@ class Verifier:
             )
         else:
             ref = self.reference(got_ids, list(s.layers))
+            if s.positions is not None:  # teacher.capture: loss_mask: the rows of those positions
+                ref = ref[s.positions.long()]
             if tuple(ref.shape) != tuple(hs.shape):
                 problem = f"shape {tuple(hs.shape)} != reference {tuple(ref.shape)}"
             else:
