@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import faults
@@ -369,11 +370,6 @@ def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, 
         if sub is not None:
             sub.close()
         shutdown_llm(llm, timeout_s=20)
-    chats = sum(k.startswith("chat") for k in want)
-    print(f"\ncapture bytes per chat sample: spool file all {sizes['all'] / chats:.0f}, loss_mask "
-          f"{sizes['loss_mask'] / chats:.0f}; stream all {wire['all'] / chats:.0f}, loss_mask "
-          f"{wire['loss_mask'] / chats:.0f}")  # fmt: skip
-    assert wire["loss_mask"] < 0.7 * wire["all"] and sizes["loss_mask"] < 0.7 * sizes["all"]
     # A student trains on the loss_mask files: every sample once (hidden terms and kl at held positions).
     student = {
         "from_config": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
@@ -393,9 +389,43 @@ def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, 
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in m["steps"]), m["steps"][:3]
     # distill-export: EAGLE-3 training data needs every position's states: one line, exit 2.
     r = subprocess.run(
-        [os.sys.executable, "-m", "teacher.export", "--format", "speculators", "--spool", str(lm_dir),
+        [sys.executable, "-m", "teacher.export", "--format", "speculators", "--spool", str(lm_dir),
          "--out", str(tmp_path / "export")],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.count("\n") == 1 and "teacher.capture: all" in r.stderr, r.stderr
+    chats = sum(k.startswith("chat") for k in want)
+    print(f"\ncapture bytes per chat sample: spool file all {sizes['all'] / chats:.0f}, loss_mask "
+          f"{sizes['loss_mask'] / chats:.0f}; stream all {wire['all'] / chats:.0f}, loss_mask "
+          f"{wire['loss_mask'] / chats:.0f}")  # fmt: skip
+    assert wire["loss_mask"] < 0.7 * wire["all"] and sizes["loss_mask"] < 0.7 * sizes["all"]
+
+
+def test_gpu_teacher_c_loss_mask_mode_table():
+    """benchmarks/gpu_teacher.py's C_loss_mask (CUDA only to run): in the default modes, its
+    requests' loss spans cover half of each prompt, its settings say capture loss_mask, and its
+    receivers' check accepts exactly a sample holding that half's rows under `positions`."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gpu_teacher", root / "benchmarks" / "gpu_teacher.py")
+    gt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gt)
+    assert "C_loss_mask" in gt.DEFAULT_MODES.split(",")
+    kind, layers, shm, extra = gt.MODES["C_loss_mask"]
+    assert (kind, layers, shm) == ("ours", "layers", "auto") and gt.chat_spans(9) == [[4, 9]]
+    args = gt.parse_args(["--tiny", "--prompt-len", "9", "--num-prompts", "2", "--warmup-prompts", "1"])
+    mode_extra = {k: v for k, v in extra.items() if k != "chat_mask"}
+    settings = gt.effective_settings(
+        "ours", gt.our_connector_extra(args, "auto", "tcp://127.0.0.1:1", mode_extra)
+    )
+    assert settings["capture"] == "loss_mask" and settings["checksum"] == TransportConfig().checksum
+    args.chat_mask = True
+    chk = gt.Checker(args, vocab=1000, hidden=8, layers=[1, 2])
+    ids = torch.tensor(chk.timed[1])
+    hs = torch.zeros(5, 2, 8, dtype=torch.bfloat16)
+    ok = chk.check(hs, ids, "p1-1", [1, 2], torch.arange(4, 9, dtype=torch.int32))
+    assert all(ok[c] for c in ("shape", "dtype", "ids", "key", "layers")), ok
+    assert not chk.check(torch.zeros(9, 2, 8, dtype=torch.bfloat16), ids, "p1-1", [1, 2])["shape"]
+    assert not chk.check(hs, ids, "p1-1", [1, 2], torch.arange(3, 8, dtype=torch.int32))["shape"]
