@@ -33,6 +33,13 @@ from distill.spool import SpoolFormatError, list_spool, read_spool_file, read_sp
 from distill.transport import Subscriber
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from distill.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("lm") / "tiny")
+
+
 def _partial(key="k", mask=(0, 0, 1, 1, 0, 1), layers=2, h=4, seed=0):
     """(sample holding the rows of `mask`'s ones, the full [T, L, H] states)."""
     g = torch.Generator().manual_seed(seed)
@@ -301,7 +308,7 @@ def _check_pair(whole: Sample, part: Sample, mask: list[int]) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, capsys):
+def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, capsys, tiny):
     """In-process vLLM, stream mode. Pass 1, no student connected: every sample spools; the
     loss_mask files hold the all files' rows at the mask's ones. Pass 2 with a student: the
     stream (and the replay of pass 1's files) does the same. Then a student trains on the
@@ -310,11 +317,10 @@ def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, 
     from test_student_units import run_in_process
     from vllm import LLM
 
-    from distill.tiny import build_tiny_model
     from teacher.config import extraction_engine_args
     from teacher.engine import shutdown_llm
 
-    model = build_tiny_model(tmp_path / "tiny")
+    model = tiny
     layer_ids = [4, 1, 3]
     ep = f"tcp://127.0.0.1:{faults.free_port()}"
     transport = TransportConfig(bind=[ep], connect=[ep], connect_timeout_s=0, heartbeat_timeout_s=30)
@@ -429,3 +435,24 @@ def test_gpu_teacher_c_loss_mask_mode_table():
     assert all(ok[c] for c in ("shape", "dtype", "ids", "key", "layers")), ok
     assert not chk.check(torch.zeros(9, 2, 8, dtype=torch.bfloat16), ids, "p1-1", [1, 2])["shape"]
     assert not chk.check(hs, ids, "p1-1", [1, 2], torch.arange(3, 8, dtype=torch.int32))["shape"]
+
+
+def test_live_probe_compares_held_rows_with_transformers_at_their_positions(tmp_path, tiny):
+    """teacher.verify_every with capture loss_mask: the probe compares the rows a sample holds
+    with transformers' states at its `positions`; rows from other positions are a mismatch."""
+    from teacher.verify import Verifier
+
+    model = tiny
+    v = Verifier(str(model), tmp_path / "verify", "float32", tol=None)
+    v._stop.set()  # checked here, not by the probe's thread
+    ids = list(range(5, 17))
+    ref = v.reference(ids, [1, 4])
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1], dtype=torch.uint8)
+    pos = held_positions(mask)
+    for key, rows in (("right", pos), ("shifted", pos - 1)):
+        tensors = {"hidden_states": ref[rows.long()].contiguous(), "loss_mask": mask, "positions": pos,
+                   "token_ids": torch.tensor(ids)}  # fmt: skip
+        write_sample(tmp_path / "verify", Sample(key=key, tensors=tensors, layers=[1, 4]))
+        v.expect(key, ids)
+    assert v.check_pending() == 2
+    assert v.probed == 2 and v.mismatches == 1 and v.mismatched[0]["key"] == "shifted", v.mismatched
