@@ -81,6 +81,8 @@ def test_positions_must_agree_with_what_the_sample_holds(tmp_path):
     none.tensors["loss_mask"] = torch.zeros(6, dtype=torch.uint8)
     none.tensors["positions"] = torch.zeros(0, dtype=torch.int32)
     assert positions_problem(none.tensors) is None  # an all-zero mask: a sample with no states
+    back = read_spool_file(write_sample(tmp_path / "none", none))  # and its spool file
+    assert back.tensors["hidden_states"].shape == (0, 2, 4) and back.positions.tolist() == []
     for name, tensors in _bad_variants(s).items():
         why = positions_problem(tensors)
         assert why is not None, name
