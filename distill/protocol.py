@@ -31,9 +31,6 @@ Sample header keys::
             (one offset per tensor; the slot's stamp word holds `stamp` while the slot is this
             sample's: the receiver checks it after copying, see `Sample.stamp`)
 
-A sample may hold the states of some token positions only (`positions`, distill/capture.py);
-`decode_sample` rejects one whose `positions` disagrees with what it holds (ProtocolError("positions")).
-
 Control records (HELLO, CREDIT, ACK, COMMIT, ...) carry metadata only: one frame, no tensors. Each
 kind's fields are a typed record (`CONTROL_FIELDS`): `decode_control` rejects a record with a
 missing field or a field of the wrong type, and drops fields it does not know.
@@ -159,8 +156,7 @@ class Sample:
     Attributes:
         key: sample key from the dataset (unique across the run).
         tensors: name -> tensor. vLLM's layout: `hidden_states` [num_tokens, num_layers, hidden],
-            `token_ids` [num_tokens]; with `positions` (teacher.capture: loss_mask) `hidden_states`
-            holds those positions' rows only (distill/capture.py).
+            `token_ids` [num_tokens]; with `positions` only those rows (distill/capture.py).
         layers: teacher layer ids, in the order of `hidden_states`' second dimension.
         meta: small metadata map (prompt length, dataset row, ...).
         teacher: id of the teacher that produced it.
@@ -572,8 +568,7 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     bad = digest_mismatch(bufs, crc, x3, x3t)
     if bad is not None:
         raise ProtocolError("checksum", f"payload {bad[0]} mismatch for sample {key!r}")
-    why = positions_problem(tensors)
-    if why is not None:
+    if (why := positions_problem(tensors)) is not None:
         raise ProtocolError("positions", f"sample {key!r}: {why}")
     out = Sample(
         key=key, tensors=tensors, layers=layers, meta=meta, teacher=str(tid), seq=seq, crc=crc, x3=x3, x3t=x3t

@@ -308,6 +308,36 @@ def _check_pair(whole: Sample, part: Sample, mask: list[int]) -> None:
     assert "positions" not in whole.tensors and full.shape[0] == len(mask)
 
 
+def _train_and_refuse_export(tmp_path, capsys, model, lm_dir: Path, keys: list[str]) -> None:
+    from test_student_units import run_in_process
+
+    # A student trains on the loss_mask files: every sample once (hidden terms and kl at held positions).
+    student = {
+        "from_config": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                        "head_dim": 16, "vocab_size": 4096},
+        "teacher_model": str(model),
+        "layer_map": [{"student_layer": 1, "teacher_layer": 3}],
+        "losses": {"mse": 1.0, "kl": 1.0, "ce": 1.0},
+        "max_tokens_per_batch": 256,
+        "mode": "spool",
+        "spool_dir": str(lm_dir),
+    }  # fmt: skip
+    proc = run_in_process(tmp_path, capsys, student)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert sorted(e[0] for e in m["trained"]) == sorted(keys)
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in m["steps"]), m["steps"][:3]
+    # distill-export: EAGLE-3 training data needs every position's states: one line, exit 2.
+    r = subprocess.run(
+        [sys.executable, "-m", "teacher.export", "--format", "speculators", "--spool", str(lm_dir),
+         "--out", str(tmp_path / "export")],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and "teacher.capture: all" in r.stderr, r.stderr
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, capsys, tiny):
@@ -316,7 +346,6 @@ def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, 
     stream (and the replay of pass 1's files) does the same. Then a student trains on the
     loss_mask files (spool mode, the in-process loop) and distill-export refuses them."""
     pytest.importorskip("vllm")
-    from test_student_units import run_in_process
     from vllm import LLM
 
     from teacher.config import extraction_engine_args
@@ -378,31 +407,7 @@ def test_vllm_capture_loss_mask_delivers_exactly_the_masked_positions(tmp_path, 
         if sub is not None:
             sub.close()
         shutdown_llm(llm, timeout_s=20)
-    # A student trains on the loss_mask files: every sample once (hidden terms and kl at held positions).
-    student = {
-        "from_config": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
-                        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                        "head_dim": 16, "vocab_size": 4096},
-        "teacher_model": str(model),
-        "layer_map": [{"student_layer": 1, "teacher_layer": 3}],
-        "losses": {"mse": 1.0, "kl": 1.0, "ce": 1.0},
-        "max_tokens_per_batch": 256,
-        "mode": "spool",
-        "spool_dir": str(lm_dir),
-    }  # fmt: skip
-    proc = run_in_process(tmp_path, capsys, student)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    assert sorted(e[0] for e in m["trained"]) == sorted(f"f-lm-{k}" for k in want)
-    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in m["steps"]), m["steps"][:3]
-    # distill-export: EAGLE-3 training data needs every position's states: one line, exit 2.
-    r = subprocess.run(
-        [sys.executable, "-m", "teacher.export", "--format", "speculators", "--spool", str(lm_dir),
-         "--out", str(tmp_path / "export")],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.count("\n") == 1 and "teacher.capture: all" in r.stderr, r.stderr
+    _train_and_refuse_export(tmp_path, capsys, model, lm_dir, [f"f-lm-{k}" for k in want])
     chats = sum(k.startswith("chat") for k in want)
     print(f"\ncapture bytes per chat sample: spool file all {sizes['all'] / chats:.0f}, loss_mask "
           f"{sizes['loss_mask'] / chats:.0f}; stream all {wire['all'] / chats:.0f}, loss_mask "
