@@ -150,7 +150,8 @@ def _cpu_connector(tmp_path, hidden_dtype: str, capture: str):
     )
     conn.layer_ids, conn._perm = [3, 1], torch.tensor([1, 0])
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
-    conn._timing = dict.fromkeys(("pageable_copies", "engine_wait_s", "submit_s"), 0)
+    conn._timing = dict.fromkeys(("pageable_copies", "engine_wait_s", "digest_s", "submit_s"), 0)
+    conn._copy_pool = None  # the CPU path: no copy threads
     conn._publisher, conn._lock_fds, conn._pending_copies, conn.use_lock = None, {}, {}, False
     conn._queue = queue.Queue()
     return conn
