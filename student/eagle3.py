@@ -144,7 +144,8 @@ def target_to_draft(t2d: torch.Tensor) -> torch.Tensor:
 def token_counts(source: str, tokenizer_dir: str, vocab: int) -> torch.Tensor:
     """[V] int64 token frequencies from a JSONL dataset (`text`, `messages`, `prompt` or
     `token_ids`/`input_ids` per row, tokenised with the teacher's tokenizer), a spool folder (the
-    `token_ids` of every `*.safetensors` file) or a `.pt` file (a [V] tensor of counts, e.g.
+    `token_ids` of every `*.safetensors` file where its `loss_mask` is 1: a generated answer's
+    tokens, not its prompt's) or a `.pt` file (a [V] tensor of counts, e.g.
     speculators' token_freq.pt, or a {token_id: count} dict)."""
     p = Path(source)
     counts = torch.zeros(vocab, dtype=torch.long)
@@ -158,10 +159,15 @@ def token_counts(source: str, tokenizer_dir: str, vocab: int) -> torch.Tensor:
             raise StudentError(f"student.eagle3.vocab_from {source!r}: no *.safetensors spool files in it")
         for f in files:
             with safe_open(str(f), framework="pt") as fh:
-                if "token_ids" in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    counts += torch.bincount(fh.get_tensor("token_ids").long().flatten(), minlength=vocab)[
-                        :vocab
-                    ]
+                names = set(fh.keys())
+                if "token_ids" not in names:
+                    continue
+                ids = fh.get_tensor("token_ids").long().flatten()
+                if "loss_mask" in names:  # the tokens the draft learns to predict, not the prompts
+                    mask = fh.get_tensor("loss_mask").flatten().bool()
+                    if mask.numel() == ids.numel():
+                        ids = ids[mask]
+                counts += torch.bincount(ids, minlength=vocab)[:vocab]
         return counts
     if p.suffix == ".pt":
         obj = torch.load(str(p), map_location="cpu", weights_only=True)

@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         f"as {r.fmt}: {r.detail}{skipped}; layers aux {r.plan.aux} + last {r.plan.last}; {r.seconds:.1f} s",
         file=sys.stderr,
     )
-    print("train with:")
+    print("train with (on CUDA GPUs: the trainer needs one):")
     print(f"  {r.flags}")
     return 0
 

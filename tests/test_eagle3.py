@@ -494,3 +494,56 @@ def test_eagle3_configs_load(path):
     assert max(teacher.layer_ids) not in cfg.eagle3.aux_layer_ids
     assert load_run_file(str(path), {}).student["recipe"] == "eagle3"
     assert path.read_text().startswith("# accelerate launch student.py --config " + f"configs/{path.name}")
+
+
+def test_untrained_baseline_draft_is_the_trainings_start(tiny_teacher, tmp_path):
+    """`python -m student.eagle3_baseline` exports the draft a run file would start training from."""
+    import yaml
+
+    from student.eagle3 import build_draft
+
+    cfg = e3_cfg(tiny_teacher, tmp_path, aux_layer_ids=[1, 2, 3])
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"student": cfg.model_dump(mode="json")}))
+    out = tmp_path / "untrained"
+    p = subprocess.run(
+        [sys.executable, "-m", "student.eagle3_baseline", "--config", str(run), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert (out / "config.json").is_file()
+    want, _, _ = build_draft(cfg)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        assert torch.equal(fh.get_tensor("fc.weight"), want.fc.weight.detach())
+        assert fh.get_tensor("d2t").numel() == 256
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"student": {"recipe": "general"}}))
+    p = subprocess.run(
+        [sys.executable, "-m", "student.eagle3_baseline", "--config", str(bad), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_token_counts_from_a_spool_count_the_loss_masked_tokens(tiny_teacher, tmp_path):
+    """A spool of generated answers counts the answers' tokens, not the prompts'."""
+    from distill.protocol import Sample
+    from distill.spool import write_sample
+
+    s = Sample(
+        key="k0",
+        tensors={
+            "hidden_states": torch.zeros(5, 1, 4),
+            "token_ids": torch.tensor([9, 9, 9, 4, 5]),
+            "loss_mask": torch.tensor([0, 0, 0, 1, 1], dtype=torch.uint8),
+        },
+        layers=[1],
+        meta={},
+    )
+    write_sample(tmp_path, s)
+    c = token_counts(str(tmp_path), str(tiny_teacher), 1024)
+    assert c[9] == 0 and c[4] == 1 and c[5] == 1 and int(c.sum()) == 2
