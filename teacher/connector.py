@@ -108,6 +108,7 @@ from teacher.connector_parts import (
     _take_lock,
     loss_mask,
 )
+from teacher.sizing import write_flow
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -602,6 +603,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             pub.close()
             # (The Publisher's spool files have their `.lock` companion: distill.spool.write_sample.)
             logger.info("distill: publisher closed: %s", pub.stats())
+            if self.cfg.journal:  # distill-teacher's sizing figures for the generate phase
+                try:
+                    write_flow(self.cfg.journal, pub.stats())
+                except OSError as e:
+                    logger.warning("distill: could not write the flow counters: %s", e)
         for fd in self._lock_fds.values():
             os.close(fd)
         self._lock_fds.clear()

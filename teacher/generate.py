@@ -16,6 +16,7 @@ from teacher.config import ConnectorConfig, TeacherConfig, model_config, model_d
 from teacher.data import iter_rows
 from teacher.engine import SPOOL_MARGIN_S, EngineDied, EngineWatchdog, build_llm, shutdown_llm
 from teacher.preflight import check_endpoints_free, check_journal_free
+from teacher.sizing import note_phase, take_flow
 from teacher.state import Run, ServeFailed, Stop
 
 log = logging.getLogger("distill.teacher")
@@ -165,7 +166,13 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
     windows = Windows(r, todo, phase)
     first = windows.first()
     if first[0]:
-        _run_engine(r, conn, windows, first, stop, len(todo))
+        take_flow(cfg.journal)  # a crashed engine's counters are not this phase's
+        try:
+            _run_engine(r, conn, windows, first, stop, len(todo))
+        finally:  # the engine's connector wrote its Publisher's flow counters at shutdown
+            flow = take_flow(cfg.journal)
+            if flow is not None:
+                note_phase(r.flow, phase, flow, r.spool.readers, r.generated, r.generate_s)
     phase["seconds"] = round(time.monotonic() - t_phase, 3)
     if not first[0]:
         return False

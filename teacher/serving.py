@@ -9,7 +9,7 @@ import time
 
 from distill.journal import JournalTail
 from distill.spool import list_spool, remove_spool_file, spool_name
-from teacher.sizing import delta, shares
+from teacher.sizing import delta, note_phase, shares
 from teacher.state import Run, ServeFailed, Stop, say
 
 log = logging.getLogger("distill.teacher")
@@ -67,9 +67,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
 
 def _note_flow(r: Run, phase: dict, st: dict) -> None:
     """This phase's flow counters into the run's (the sizing figures) and its shares into the phase."""
-    r.flow.add(st)
-    f = shares(delta(st, None), r.spool.readers, r.generated, r.generate_s)
-    phase.update({k: f[k] for k in ("flow_s", "teacher_busy", "student_wait", "teacher_waited")})
+    note_phase(r.flow, phase, st, r.spool.readers, r.generated, r.generate_s)
 
 
 def _remove_committed_spool_files(r: Run, committed: set[str]) -> None:

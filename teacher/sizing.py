@@ -1,9 +1,11 @@
 """Sizing: how busy the teacher was, how long students waited, and the split to run next time.
 
-Inputs are the serve Publisher's flow clock (distill/students.py `FlowClock`, in
-`Publisher.stats()`), its acks and the spool readers' counters, summed over the serve phases of
-one `distill-teacher` invocation (`Flow`), and vLLM's generation rate when this invocation
-generated. The figures (teacher/README.md, "Sizing"):
+Inputs are the Publishers' flow clocks (distill/students.py `FlowClock`, in `Publisher.stats()`),
+their acks and the spool readers' counters, summed over the phases of one `distill-teacher`
+invocation (`Flow`): the serve phases' Publisher in this process, and the generate phase's in
+vLLM's worker, whose connector writes its final counters to `<journal>.flow-<pid>.json` at
+shutdown (`write_flow`; read and removed by `take_flow`) - and vLLM's generation rate when this
+invocation generated. The figures (teacher/README.md, "Sizing"):
 
     flow_s          seconds with a student connected and samples left somewhere
     students        mean connected students over flow_s (student ranks, one GPU each)
@@ -21,6 +23,10 @@ generated. The figures (teacher/README.md, "Sizing"):
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 MIN_SAMPLES = 20  # fewer acked samples, or less flow time, and the figures are noise
 MIN_FLOW_S = 2.0
 BALANCED = (0.9, 1.1)  # ratio within this band: the split fits
@@ -37,6 +43,40 @@ class Flow:
     def add(self, stats: dict) -> None:
         for k in FLOW_KEYS:
             self.totals[k] += float(stats.get(k, 0) or 0)
+
+
+def write_flow(journal: str, stats: dict) -> Path:
+    """The generate phase's flow counters, from the connector's Publisher at its shutdown."""
+    path = Path(f"{journal}.flow-{os.getpid()}.json")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({k: float(stats.get(k, 0) or 0) for k in FLOW_KEYS}))
+    os.replace(tmp, path)
+    return path
+
+
+def take_flow(journal: str) -> dict | None:
+    """The counters every connector of the last engine wrote (summed), the files removed; None
+    when there are none. Called before an engine starts too, to drop a crashed run's files."""
+    files = sorted(Path(journal).parent.glob(Path(journal).name + ".flow-*.json"))
+    if not files:
+        return None
+    total = dict.fromkeys(FLOW_KEYS, 0.0)
+    for f in files:
+        try:
+            got = json.loads(f.read_text())
+            for k in FLOW_KEYS:
+                total[k] += float(got.get(k, 0) or 0)
+        except (OSError, ValueError, AttributeError):
+            pass  # a torn file: those counters are missing from the figures, nothing else
+        f.unlink(missing_ok=True)
+    return total
+
+
+def note_phase(flow: Flow, phase: dict, stats: dict, readers: int, generated: int, generate_s: float) -> None:
+    """One phase's flow counters into the run's totals and its shares into the phase record."""
+    flow.add(stats)
+    f = shares(delta(stats, None), readers, generated, generate_s)
+    phase.update({k: f[k] for k in ("flow_s", "teacher_busy", "student_wait", "teacher_waited")})
 
 
 def delta(now: dict, before: dict | None) -> dict:

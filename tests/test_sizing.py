@@ -180,3 +180,19 @@ def test_recommendation_wording_and_rounding():
     z = sizing(f, readers=1, generated=200, generate_s=4.0)
     assert (z["teacher"], z["teacher_rate"], z["ratio"]) == ("vllm", 50.0, 0.2)
     assert recommend(z) == (z["verdict"], z["recommendation"])
+
+
+def test_generate_phase_counters_travel_through_flow_files(tmp_path):
+    """The connector (in vLLM's worker) writes its Publisher's counters; distill-teacher sums and
+    removes every file, ignores a torn one, and finds none the second time."""
+    from teacher.sizing import FLOW_KEYS, take_flow, write_flow
+
+    journal = str(tmp_path / "journal.txt")
+    assert take_flow(journal) is None
+    write_flow(journal, {"flow_s": 2.5, "acked": 30, "student_s": 5.0, "other": 1})
+    (tmp_path / "journal.txt.flow-999999.json").write_text('{"flow_s": 1.5, "acked": 10}')
+    (tmp_path / "journal.txt.flow-888888.json").write_text('{"flow_s": ')  # torn
+    got = take_flow(journal)
+    assert set(got) == set(FLOW_KEYS)
+    assert (got["flow_s"], got["acked"], got["student_s"]) == (4.0, 40.0, 5.0)
+    assert not list(tmp_path.glob("journal.txt.flow-*")) and take_flow(journal) is None

@@ -500,6 +500,12 @@ def test_student_process_sigterm_and_restart_deliver_each_sample_once(assets, tm
     assert sorted(first + second) == sorted(keys), "every sample exactly once across the two runs"
     assert set(journal.read_text().split()) == set(keys)
     assert list_spool(tmp_path / "spool") == []  # all acked: spool files removed
+    # The generate phase's Publisher lives in vLLM's worker: its flow counters reach the summary.
+    s = _summary(cfg)
+    gen = [p for p in s["phases"] if p["phase"] == "generate"]
+    assert gen and gen[0]["flow_s"] > 0, s["phases"]
+    assert s["sizing"]["flow_s"] >= gen[0]["flow_s"] and s["sizing"]["samples"] > 0, s["sizing"]
+    assert not list(tmp_path.glob("journal.txt.flow-*")), "the counters' files are removed once read"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("teacher_*.yaml")), ids=lambda p: p.name)
