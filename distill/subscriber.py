@@ -47,10 +47,14 @@ class Subscriber(TeacherSessions):
         skip_keys=None,
         name: str | None = None,
         commit_on_ack: bool = True,
+        dequantize: bool = True,
     ):
         self.cfg = cfg
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.commit_on_ack = commit_on_ack
+        # fp8 samples (teacher.hidden_dtype: fp8): `get` hands back the model dtype; False keeps
+        # float8 values + `hidden_scale` for a consumer that dequantizes on its GPU (the student).
+        self.dequantize = dequantize
         self._skip = skip_keys if skip_keys is not None else set()
         # keys acked in this process, oldest first, at most cfg.dedup_keys
         self._consumed: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -121,7 +125,7 @@ class Subscriber(TeacherSessions):
             if item is _END:
                 self._finished = True
                 return None
-            return dequantize_sample(item)  # fp8 hidden states back in the model dtype
+            return dequantize_sample(item) if self.dequantize else item  # fp8 -> the model dtype
 
     def ack(self, samples: Sample | Iterable[Sample]) -> None:
         """Acknowledge consumed samples (after the optimizer step that used them): the teacher frees

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distill import fp8
 from distill.protocol import Sample
 from student.errors import StudentError as StudentError
 from student.errors import TeacherGoneError as TeacherGoneError
@@ -45,6 +46,10 @@ class Batch:
         held: [B, T] bool, True where `teacher` holds the teacher's states; None: on every real
             token. Samples with `positions` (teacher.capture: loss_mask) hold some positions only:
             `teacher` is 0 elsewhere and the losses that read it count held positions only.
+        scale: on the host only, for fp8 samples (teacher.hidden_dtype: fp8): `teacher` is float8
+            e4m3 and `scale` float32 [N, n] (or [B, T, n] padded), one per token and layer; `to`
+            uploads both and dequantizes on the device into `out_dtype` (the teacher's model
+            dtype), so the host moves half the bytes and never converts them. None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -55,6 +60,8 @@ class Batch:
     pad_to: int = 1  # T is a multiple of this (collate's pad_to_multiple_of; select keeps it)
     loss_mask: torch.Tensor | None = None  # None: every real token (as `mask`)
     held: torch.Tensor | None = None  # None: the teacher's states on every real token
+    scale: torch.Tensor | None = None  # fp8 `teacher`: its float32 scales (dequantized by `to`)
+    out_dtype: torch.dtype | None = None  # fp8 `teacher`: the dtype `to` dequantizes into
 
     @property
     def padded(self) -> bool:
@@ -70,11 +77,11 @@ class Batch:
         ids = self.input_ids.to(device, non_blocking=non_blocking)
         mask = self.mask.to(device, non_blocking=non_blocking)
         if self.lengths is None:
-            teacher = self.teacher.to(device, non_blocking=non_blocking)
+            teacher = self._upload(self.teacher, device, non_blocking)
         else:
             b, t = self.mask.shape
             rest = self.teacher.shape[1:]
-            packed = self.teacher.to(device, non_blocking=non_blocking)
+            packed = self._upload(self.teacher, device, non_blocking)
             if packed.shape[0] == b * t:  # no padding at all
                 teacher = packed.view(b, t, *rest)
             elif device.type == "cpu":  # row by row (no index tensor)
@@ -93,6 +100,14 @@ class Batch:
         lm = self.loss_mask.to(device, non_blocking=non_blocking) if self.loss_mask is not None else None
         held = self.held.to(device, non_blocking=non_blocking) if self.held is not None else None
         return Batch(ids, mask, teacher, self.layer_ids, loss_mask=lm, held=held)
+
+    def _upload(self, teacher: torch.Tensor, device, non_blocking: bool) -> torch.Tensor:
+        """`teacher` on `device`; fp8 values are dequantized there with their scales."""
+        moved = teacher.to(device, non_blocking=non_blocking)
+        if self.scale is None:
+            return moved
+        scale = self.scale.to(device, non_blocking=non_blocking)
+        return fp8.dequantize(moved, scale, self.out_dtype or torch.bfloat16)
 
 
 def _positions(lengths: list[int], t: int) -> torch.Tensor:
@@ -172,6 +187,11 @@ def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int, partial
         )
     if sample.layers and len(sample.layers) != hs.shape[1]:
         raise StudentError(f"sample {sample.key!r}: {len(sample.layers)} layer ids for {hs.shape[1]} layers")
+    if fp8.is_quantized(sample) and tuple(sample.tensors[fp8.SCALE_KEY].shape) != tuple(hs.shape[:2]):
+        raise StudentError(
+            f"sample {sample.key!r}: fp8 scales {list(sample.tensors[fp8.SCALE_KEY].shape)} for hidden states "
+            f"{list(hs.shape)} (one per token and layer expected)"
+        )
     layer_index(sample, layer_ids)
     if hs.shape[2] != hidden_size:
         raise StudentError(
@@ -190,6 +210,19 @@ def collate(
     to a GPU (`Batch.to`). The result owns its memory: the samples' views may die after this."""
     if not samples:
         raise ValueError("collate needs at least one sample")
+    quantized = [fp8.is_quantized(s) for s in samples]
+    if any(quantized) and not all(quantized):  # teachers with different settings: the model dtype
+        samples = [fp8.dequantize_sample(s) for s in samples]
+        quantized = [False]
+    if quantized[0]:
+        return _collate_fp8(samples, layer_ids, pin_memory, pad_to_multiple_of)
+    return collate_values(samples, layer_ids, pin_memory, pad_to_multiple_of)
+
+
+def collate_values(
+    samples: list[Sample], layer_ids: list[int], pin_memory: bool = False, pad_to_multiple_of: int = 1
+) -> Batch:
+    """`collate` without the fp8 handling: the teacher rows copied in the dtype they have."""
     lengths = [s.num_tokens for s in samples]
     t_max = padded_length(max(lengths), pad_to_multiple_of)
     first = samples[0].tensors["hidden_states"]
@@ -235,6 +268,38 @@ def collate(
     )
 
 
+def _collate_fp8(
+    samples: list[Sample], layer_ids: list[int], pin_memory: bool, pad_to_multiple_of: int
+) -> Batch:
+    """`collate` for fp8 samples: the float8 rows as bytes and their scales, both packed; the
+    dequantization happens in `Batch.to` on the device."""
+    as_bytes = []
+    for s in samples:  # each sample's fp8 states and scales as a uint8 / float32 model-free sample
+        t = dict(s.tensors)
+        t["hidden_states"] = t["hidden_states"].view(torch.uint8)
+        as_bytes.append(Sample(key=s.key, tensors=t, layers=s.layers, meta=s.meta))
+    batch = collate_values(as_bytes, layer_ids, pin_memory, pad_to_multiple_of)
+    scale = torch.empty(batch.teacher.shape[:2], dtype=torch.float32, pin_memory=pin_memory)
+    off = 0
+    for s, n in zip(samples, batch.lengths, strict=True):
+        sc = s.tensors[fp8.SCALE_KEY].unsqueeze(-1)  # [R, L, 1]: copied like the states
+        pos = layer_index(s, layer_ids)
+        at = s.positions
+        if at is None:
+            copy_layers(scale[off : off + n].unsqueeze(-1), sc, pos)
+        else:
+            rows = torch.empty(sc.shape[0], len(layer_ids), 1, dtype=torch.float32)
+            copy_layers(rows, sc, pos)
+            scale[off : off + n].zero_().index_copy_(0, at.long(), rows.squeeze(-1))
+        off += n
+    batch.teacher = batch.teacher.view(fp8.FP8)
+    batch.scale = scale
+    batch.out_dtype = fp8.DTYPE_NAMES.get(
+        str(samples[0].meta.get("hidden_dtype", "bfloat16")), torch.bfloat16
+    )
+    return batch
+
+
 def copy_layers(dst: torch.Tensor, hs: torch.Tensor, pos: list[int]) -> None:
     """dst[:, j] = hs[:, pos[j]] (converting the dtype if they differ). Evenly spaced positions
     (every layer, one layer, [1, 3] of four, ...) are one strided copy; others one copy per layer.
@@ -256,6 +321,8 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     lm = batch.loss_mask.index_select(0, idx) if batch.loss_mask is not None else None
     held = batch.held.index_select(0, idx) if batch.held is not None else None
     if batch.lengths is None:
+        if batch.scale is not None:
+            raise ValueError("select: a padded fp8 batch is not made by collate")
         t = int(mask.sum(1).max()) if keep else 0
         return Batch(
             batch.input_ids.index_select(0, idx)[:, :t].contiguous(),
@@ -275,11 +342,19 @@ def select(batch: Batch, keep: list[int]) -> Batch:
         torch.cat([torch.arange(offsets[i], offsets[i] + batch.lengths[i]) for i in keep]) if keep else None
     )
     pinned = batch.teacher.is_pinned()
-    teacher = torch.empty(
-        (sum(lengths), *batch.teacher.shape[1:]), dtype=batch.teacher.dtype, pin_memory=pinned
-    )
+    src = batch.teacher.view(torch.uint8) if batch.scale is not None else batch.teacher  # fp8 as bytes
+    teacher = torch.empty((sum(lengths), *src.shape[1:]), dtype=src.dtype, pin_memory=pinned)
+    scale = None
+    if batch.scale is not None:
+        scale = torch.empty(
+            (sum(lengths), *batch.scale.shape[1:]), dtype=batch.scale.dtype, pin_memory=pinned
+        )
     if keep:
-        torch.index_select(batch.teacher, 0, rows, out=teacher)
+        torch.index_select(src, 0, rows, out=teacher)
+        if scale is not None:
+            torch.index_select(batch.scale, 0, rows, out=scale)
+    if batch.scale is not None:
+        teacher = teacher.view(batch.teacher.dtype)
     ids = batch.input_ids.index_select(0, idx)[:, :t].contiguous()
     mask = mask[:, :t].contiguous()
     lm = lm[:, :t].contiguous() if lm is not None else None
@@ -288,7 +363,18 @@ def select(batch: Batch, keep: list[int]) -> Batch:
         ids, mask = ids.pin_memory(), mask.pin_memory()
         lm = lm.pin_memory() if lm is not None else None
         held = held.pin_memory() if held is not None else None
-    return Batch(ids, mask, teacher, batch.layer_ids, lengths, batch.pad_to, loss_mask=lm, held=held)
+    return Batch(
+        ids,
+        mask,
+        teacher,
+        batch.layer_ids,
+        lengths,
+        batch.pad_to,
+        loss_mask=lm,
+        held=held,
+        scale=scale,
+        out_dtype=batch.out_dtype,
+    )
 
 
 def key_hash(key: str) -> int:

@@ -110,7 +110,10 @@ class StreamSource:
         self._errors = (ProtocolError, transport.TransportError)  # both end the run with a clear message
         self._gone = transport.TeacherGone  # a TransportError: caught first
         try:
-            self.sub = transport.Subscriber(transport_cfg, skip_keys=skip_keys, commit_on_ack=commit_on_ack)
+            # fp8 samples stay fp8 until Batch.to dequantizes them on the device (half the host traffic)
+            self.sub = transport.Subscriber(
+                transport_cfg, skip_keys=skip_keys, commit_on_ack=commit_on_ack, dequantize=False
+            )
             self.sub.start()
         except self._errors as e:
             raise StudentError(transport_message(e)) from None

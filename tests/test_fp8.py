@@ -177,3 +177,64 @@ def test_vllm_teacher_fp8_samples_within_the_bound_of_transformers(tmp_path):
         # transformers vs vLLM fp32 differ by ~4e-6 (NOTES): allow that on top of fp8's bound.
         allowed = want.abs() * fp8.ERROR_BOUND + scale.unsqueeze(-1) * 2**-10 + 1e-4 * want.abs().amax()
         assert ((hs - want).abs() <= allowed).all(), (hs - want).abs().max()
+
+
+def _partial(s: Sample, at: list[int]) -> Sample:
+    """`s` holding the rows `at` only (teacher.capture: loss_mask), with its mask."""
+    from distill.capture import POSITIONS_KEY
+
+    t = dict(s.tensors)
+    idx = torch.tensor(at)
+    t["hidden_states"] = t["hidden_states"][idx].contiguous()
+    if fp8.SCALE_KEY in t:
+        t[fp8.SCALE_KEY] = t[fp8.SCALE_KEY][idx].contiguous()
+    mask = torch.zeros(t["token_ids"].shape[0], dtype=torch.uint8)
+    mask[idx] = 1
+    t["loss_mask"], t[POSITIONS_KEY] = mask, idx.to(torch.int32)
+    return Sample(key=s.key + "p", tensors=t, layers=s.layers, meta=dict(s.meta))
+
+
+def test_student_batches_keep_fp8_on_the_host_and_dequantize_in_to():
+    """The student collates fp8 rows as they came (half the host bytes) and `Batch.to` dequantizes
+    them on the device: bitwise what collating the dequantized samples gives, with positions and
+    `select` too, and a mixed batch falls back to the model dtype on the host."""
+    from student.data import collate, select
+
+    quant = [_quantized_sample(key=f"k{i}")[0] for i in range(3)]
+    quant[1] = _partial(quant[1], [0, 4, 9, 30])
+    quant[2].tensors = {k: v[:20] for k, v in quant[2].tensors.items()}
+    plain = [fp8.dequantize_sample(Sample(s.key, dict(s.tensors), s.layers, dict(s.meta))) for s in quant]
+    layers = [1, 3]
+    qb, pb = collate(quant, layers), collate(plain, layers)
+    assert qb.teacher.dtype == torch.float8_e4m3fn and qb.scale.shape == qb.teacher.shape[:2]
+    assert qb.teacher.nbytes * 2 == pb.teacher.nbytes  # bf16 model: half the bytes on the host
+    q_dev, p_dev = qb.to("cpu"), pb.to("cpu")
+    assert q_dev.teacher.dtype == torch.bfloat16 and torch.equal(q_dev.teacher, p_dev.teacher)
+    assert torch.equal(q_dev.held, p_dev.held)
+    qs, ps = select(qb, [2, 0]), select(pb, [2, 0])
+    assert qs.teacher.dtype == torch.float8_e4m3fn
+    assert torch.equal(qs.to("cpu").teacher, ps.to("cpu").teacher)
+    mixed = collate([quant[0], plain[2]], layers)
+    assert mixed.scale is None and mixed.teacher.dtype == torch.bfloat16
+
+
+def test_the_student_source_keeps_fp8_and_other_subscribers_get_the_model_dtype(tmp_path):
+    from distill.transport import Publisher
+    from student.sources import StreamSource
+
+    ep = f"ipc://{tmp_path}/t.sock"
+    tcfg = TransportConfig(bind=[ep], connect=[ep], shm="auto", shm_dir=str(tmp_path), shm_bytes=8 << 20)
+    s, _ = _quantized_sample()
+    with Publisher(tcfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:
+        src = StreamSource(tcfg, skip_keys=set())
+        try:
+            deadline = time.monotonic() + 10
+            while pub.stats()["students"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pub.submit(s)
+            got = src.sub.get(timeout=10)
+            assert got is not None and got.tensors["hidden_states"].dtype == torch.float8_e4m3fn
+            assert fp8.SCALE_KEY in got.tensors
+            src.sub.ack(got)
+        finally:
+            src.sub.close()
