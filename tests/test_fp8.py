@@ -238,3 +238,66 @@ def test_the_student_source_keeps_fp8_and_other_subscribers_get_the_model_dtype(
             src.sub.ack(got)
         finally:
             src.sub.close()
+
+
+def _student_run(tmp_path, capsys, model, spool) -> dict:
+    """The in-process student over a stream that replays `spool` (shared memory): its metrics."""
+    import json
+
+    import faults
+    from test_student_units import run_in_process
+
+    from distill.transport import Publisher
+
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"
+    student = {
+        "from_config": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                        "head_dim": 16, "vocab_size": 4096},
+        "teacher_model": str(model),
+        "layer_map": [{"student_layer": 1, "teacher_layer": 2}],
+        "losses": {"mse": 1.0, "kl": 1.0, "ce": 1.0},
+        "max_tokens_per_batch": 256,
+        "idle_flush_s": 0.2,
+        "seed": 0,
+    }  # fmt: skip
+    tcfg = TransportConfig(bind=[ep], connect=[ep], shm_dir=str(tmp_path))
+    with Publisher(tcfg, SpoolConfig(dir=str(spool), keep=True), auto_end=True) as pub:
+        pub.close_input()
+        proc = run_in_process(
+            tmp_path, capsys, student, {"bind": [ep], "connect": [ep], "shm_dir": str(tmp_path)}
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "out" / "metrics.json").read_text())
+
+
+def test_a_student_trains_on_an_fp8_stream_as_on_its_dequantized_values(tmp_path, capsys):
+    """A real stream (a Publisher replaying fp8 spool files through the ring) into the in-process
+    student: every sample once, and per step the same losses as the same values sent dequantized
+    (the student dequantizes on its device what a model-dtype teacher would have sent)."""
+    from distill.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "lm")
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "plain"
+    fp8_dir.mkdir(), plain_dir.mkdir()
+    g = torch.Generator().manual_seed(1)
+    for i in range(12):
+        t = 20 + 5 * i
+        x = torch.randn(t, 2, 128, generator=g).to(torch.bfloat16)
+        q, scale = fp8.quantize(x)
+        ids = torch.randint(0, 4096, (t,), generator=g)
+        s = Sample(f"k{i:02d}", {"hidden_states": q, fp8.SCALE_KEY: scale, "token_ids": ids}, [2, 4],
+                   {"hidden_dtype": "bfloat16"})  # fmt: skip
+        write_sample(fp8_dir, s)
+        plain = fp8.dequantize_sample(Sample(s.key, dict(s.tensors), s.layers, dict(s.meta)))
+        write_sample(plain_dir, plain)
+    runs = []
+    for spool in (fp8_dir, plain_dir):
+        work = tmp_path / spool.name / "w"
+        work.mkdir(parents=True)
+        m = _student_run(work, capsys, model, spool)
+        assert sorted(e[0] for e in m["trained"]) == [f"k{i:02d}" for i in range(12)]
+        (src,) = m["summary"]["source_stats"]
+        assert src["shm_samples"] == src["received"] == 12 and src["rejected"] == 0, src
+        runs.append([round(st["loss"], 5) for st in m["steps"]])
+    assert runs[0] == runs[1] and all(torch.isfinite(torch.tensor(runs[0])))
