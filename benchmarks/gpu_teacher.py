@@ -276,21 +276,30 @@ class Checker:
                 return None, None
         return self.by_head.get(tuple(ids[:16].tolist()), (None, None))
 
-    def check(self, hs, ids, key=None, layers=None, positions=None) -> dict:
+    def check(self, hs, ids, key=None, layers=None, positions=None, scale=None) -> dict:
         torch = self.torch
         k, prompt = self.expected(key, ids)
         copy = hs.clone()  # read every byte once, as a student moving it to its GPU would
+        # fp8 (teacher.hidden_dtype: fp8): the student uploads the float8 bytes and their scales
+        # and dequantizes on its GPU, so this receiver keeps them as they came (dequantize=False)
+        fp8_ok = (
+            hs.dtype == torch.float8_e4m3fn
+            and scale is not None
+            and tuple(scale.shape) == tuple(hs.shape[:2])
+        )
         held = positions.tolist() if positions is not None else None
         r = {
             "shape": tuple(hs.shape) == self.shape
             and (held == self.positions if self.partial else positions is None),
-            "dtype": hs.dtype == torch.bfloat16,
+            "dtype": hs.dtype == torch.bfloat16 or fp8_ok,
             "ids": prompt is not None
             and ids.numel() == len(prompt)
             and bool(torch.equal(ids.to(torch.long), torch.tensor(prompt, dtype=torch.long))),
             "key": key is None or k == key,
             "layers": layers is None or list(layers) == self.layers,
-            "nbytes": hs.numel() * hs.element_size() + ids.numel() * ids.element_size(),
+            "nbytes": hs.numel() * hs.element_size()
+            + ids.numel() * ids.element_size()
+            + (scale.numel() * scale.element_size() if scale is not None else 0),
         }
         del copy
         return r
@@ -369,7 +378,7 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
 
     chk = Checker(args, vocab, hidden, layers)
     cfg = TransportConfig(connect=endpoints, shm=shm, credit_samples=args.credit_samples)
-    sub = Subscriber(cfg)
+    sub = Subscriber(cfg, dequantize=False)  # fp8 stays fp8, as in a student (dequantized on its GPU)
     sub.start()
     res_q.put(("ready", idx))
     cpu0 = time.process_time()
@@ -390,7 +399,14 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
         if s is None:
             continue
         try:
-            r = chk.check(s.tensors["hidden_states"], s.tensors["token_ids"], s.key, s.layers, s.positions)
+            r = chk.check(
+                s.tensors["hidden_states"],
+                s.tensors["token_ids"],
+                s.key,
+                s.layers,
+                s.positions,
+                s.tensors.get("hidden_scale"),
+            )
             _report(res_q, idx, r)
         except Exception as e:
             errors.append(repr(e))
