@@ -5,6 +5,7 @@
 Paths (every student touches one byte per 4 KiB page of each sample, then acknowledges it):
   tcp     distill Publisher -> 2 Subscriber processes, ZeroMQ over tcp loopback (shm off)
   curve   the same with transport.curve (CURVE authentication + encryption, keys from distill-keygen)
+  curve2, tcp2  curve / tcp with transport.io_threads 2 (one teacher I/O thread per student)
   shm     the same with the same-host shared-memory ring (header over ZeroMQ, bytes in /dev/shm)
   file    vLLM's documented file handoff: the writer takes an exclusive flock on <file>.lock, writes
           safetensors to /dev/shm, releases; the reader takes a shared flock, loads, deletes
@@ -139,7 +140,7 @@ def curve_keys(d: Path) -> tuple[dict, list[dict]]:
     return teacher, [{"secret_key": str(sec), "server_key": str(d / "teacher.key")} for sec in students]
 
 
-def run_zmq(pool, count: int, shm: str, ctx, curve: bool = False) -> float:
+def run_zmq(pool, count: int, shm: str, ctx, curve: bool = False, io_threads: int = 1) -> float:
     port = _free_port()
     ep = f"tcp://127.0.0.1:{port}"
     nbytes = pool[0].numel() * 2
@@ -150,6 +151,7 @@ def run_zmq(pool, count: int, shm: str, ctx, curve: bool = False) -> float:
         shm_bytes=max(256 * MiB, 20 * nbytes),
         max_buffer_bytes=64 * nbytes,
         curve=t_curve,
+        io_threads=io_threads,
     )
     spool = f"/tmp/bench-spool-{os.getpid()}"
     with Publisher(cfg, SpoolConfig(dir=spool)) as pub:
@@ -298,6 +300,8 @@ def main() -> None:
     run = {
         "tcp": lambda pool, count: run_zmq(pool, count, "off", ctx),
         "curve": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True),
+        "curve2": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, io_threads=2),
+        "tcp2": lambda pool, count: run_zmq(pool, count, "off", ctx, io_threads=2),
         "shm": lambda pool, count: run_zmq(pool, count, "auto", ctx),
         "file": lambda pool, count: run_file(pool, count, ctx),
         "socket": lambda pool, count: run_socket(pool, count, ctx),
@@ -320,7 +324,13 @@ def main() -> None:
         for p in paths:
             results[f"gbs_{p}_{size}mib"] = round(gbs[p], 3)
         ratios = {}
-        for a, b in (("shm", "file"), ("shm", "memcpy"), ("tcp", "socket"), ("curve", "tcp")):
+        for a, b in (
+            ("shm", "file"),
+            ("shm", "memcpy"),
+            ("tcp", "socket"),
+            ("curve", "tcp"),
+            ("curve2", "tcp"),
+        ):
             if a in gbs and b in gbs:
                 ratios[f"{a}_over_{b}"] = results[f"ratio_{a}_over_{b}_{size}mib"] = round(gbs[a] / gbs[b], 3)
         results[f"samples_{size}mib"] = count
@@ -328,7 +338,7 @@ def main() -> None:
         for p in paths:
             print(f"  {p:7s} {gbs[p]:7.2f} GB/s")
         print("  " + "   ".join(f"{k.replace('_over_', '/')} {v:.2f}" for k, v in ratios.items()))
-    for key in ("shm_over_file", "shm_over_memcpy", "tcp_over_socket", "curve_over_tcp"):
+    for key in ("shm_over_file", "shm_over_memcpy", "tcp_over_socket", "curve_over_tcp", "curve2_over_tcp"):
         vals = [v for k, v in results.items() if k.startswith(f"ratio_{key}_")]
         if vals:
             results[f"ratio_{key}"] = min(vals)

@@ -96,6 +96,11 @@ class TransportConfig(Strict):
     dedup_keys: int = Field(1_000_000, gt=0)
     # Send/receive kernel buffer sizes for tcp (0 = OS default).
     socket_buffer_bytes: int = Field(4 * MiB, ge=0)
+    # Teacher side: ZeroMQ I/O threads of the teacher's socket. Each student connection is served
+    # by one of them (framing, and CURVE's encryption when `curve` is set), so with several tcp
+    # students and CURVE more threads spread the encryption over more cores; 1 keeps everything
+    # on one (enough without CURVE, and shared-memory students move only headers).
+    io_threads: int = Field(1, ge=1, le=64)
     # Run identity carried in HELLO/WELCOME. Teacher: this id, else the one stored beside its journal
     # (`<journal>.run`, made at the first start), else one per process. Student: refuse a teacher of
     # another run; unset, it learns the id from the first teacher that welcomes it and refuses others

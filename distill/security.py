@@ -41,10 +41,26 @@ def curve_server(ctx: zmq.Context, sock: zmq.Socket, curve):
     return auth
 
 
+_CONTEXTS: dict[tuple[int, int], zmq.Context] = {}  # (pid, io_threads) -> context, io_threads > 1
+
+
+def io_context(io_threads: int) -> zmq.Context:
+    """The process's ZeroMQ context with `io_threads` I/O threads (1: the shared instance)."""
+    if io_threads <= 1:
+        return zmq.Context.instance()
+    import os
+
+    key = (os.getpid(), io_threads)  # a forked child makes its own
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = zmq.Context(io_threads=io_threads)
+    return _CONTEXTS[key]
+
+
 def router_socket(cfg: TransportConfig) -> tuple[zmq.Socket, object]:
-    """The teacher's ROUTER socket, bound to every endpoint (CURVE server when configured).
-    Returns (socket, CURVE authenticator or None). Raises TransportError."""
-    ctx = zmq.Context.instance()
+    """The teacher's ROUTER socket, bound to every endpoint (CURVE server when configured), on a
+    context with `cfg.io_threads` I/O threads. Returns (socket, CURVE authenticator or None).
+    Raises TransportError."""
+    ctx = io_context(cfg.io_threads)
     sock = ctx.socket(zmq.ROUTER)
     auth = None
     if cfg.curve is not None:

@@ -81,10 +81,10 @@ def _keys(tmp_path):
     return d
 
 
-def _transfer_through_relay(tmp_path, curve_t, curve_s) -> tuple[bytes, str]:
+def _transfer_through_relay(tmp_path, curve_t, curve_s, io_threads: int = 1) -> tuple[bytes, str]:
     port = free_port()
     relay = Relay(port)
-    t_cfg = TransportConfig(bind=[f"tcp://127.0.0.1:{port}"], shm="off", curve=curve_t)
+    t_cfg = TransportConfig(bind=[f"tcp://127.0.0.1:{port}"], shm="off", curve=curve_t, io_threads=io_threads)
     s_cfg = TransportConfig(connect=[f"tcp://127.0.0.1:{relay.port}"], shm="off", curve=curve_s)
     try:
         with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(s_cfg) as sub:
@@ -105,13 +105,15 @@ def test_plain_tcp_carries_readable_bytes(tmp_path):
     assert MARK in captured and b"k-secret" in captured
 
 
-def test_curve_encrypts_the_wire(tmp_path):
+@pytest.mark.parametrize("io_threads", [1, 3])
+def test_curve_encrypts_the_wire(tmp_path, io_threads):
+    """Also with the teacher's socket on a context of several I/O threads (transport.io_threads)."""
     d = _keys(tmp_path)
     curve_t = CurveConfig(secret_key=str(d / "teacher.key_secret"), authorized_keys=str(d / "students"))
     curve_s = CurveConfig(
         secret_key=str(d / "students" / "good.key_secret"), server_key=str(d / "teacher.key")
     )
-    captured, key = _transfer_through_relay(tmp_path, curve_t, curve_s)
+    captured, key = _transfer_through_relay(tmp_path, curve_t, curve_s, io_threads)
     assert key == "k-secret"
     assert len(captured) > 64 * len(MARK)  # the sample did cross the relay
     assert MARK not in captured and b"k-secret" not in captured
@@ -175,3 +177,16 @@ def test_student_of_another_run_is_refused_on_both_sides(tmp_path):
     # The same journal keeps its run id across teacher restarts.
     with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool2")), journal=str(journal2)) as pub3:
         assert pub3.run_id == pub2.run_id
+
+
+def test_io_threads_gives_the_teachers_socket_a_context_of_that_many_threads():
+    import zmq
+
+    from distill.config import ConfigError, validate
+    from distill.security import io_context
+
+    assert TransportConfig().io_threads == 1 and io_context(1) is zmq.Context.instance()
+    ctx = io_context(3)
+    assert ctx is io_context(3) and ctx.get(zmq.IO_THREADS) == 3
+    with pytest.raises(ConfigError, match="io_threads"):
+        validate(TransportConfig, {"io_threads": 0})
