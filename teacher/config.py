@@ -56,6 +56,14 @@ class ConnectorTuning(Strict):
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.
     copy_threads: int = Field(4, ge=1, le=64)
+    # The most the connector stages at once for one sample, in bytes: its pinned host buffer (CUDA)
+    # and the rows it gathers off the cache in one step (with fp8 also their float32 work copies).
+    # A longer sample is copied in pieces of at most half of it (one piece copied out while the next
+    # comes off the device) straight into its destination, which still holds the whole sample.
+    # Default 512 MiB: Qwen3-8B samples in bf16 go in one piece, as before this setting, below 16k
+    # tokens with 4 layers (32 KiB a token), 8k with 8, and 2.9k with 4 layers in fp8 (its work
+    # copies: 176 KiB a token). At least 1 MiB.
+    staging_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)
     # The dtype hidden states travel and are spooled in: `model` (the model's own), or `fp8`:
     # float8 e4m3 with one float32 scale per token and layer (distill/fp8.py), half the bytes;
     # receivers (Subscriber.get, read_spool_file) hand back the model dtype, within 1/16 of each

@@ -83,6 +83,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,7 +97,7 @@ except ImportError:  # vLLM 0.26
 
 from distill import fp8
 from distill.capture import CAPTURES, POSITIONS_KEY, held_positions
-from distill.protocol import DIGEST_CHUNK, ChunkDigests, Sample, chunk_digests, tensor_bytes
+from distill.protocol import Sample
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 from teacher.connector_parts import (
@@ -109,6 +110,19 @@ from teacher.connector_parts import (
     loss_mask,
 )
 from teacher.sizing import write_flow
+from teacher.staging import (
+    SLACK,
+    Pieces,
+    destination,
+    parallel_copy,
+    parallel_digest,
+    slot_mapping,
+    stage_whole,
+)
+from teacher.staging import check_staging_bytes as _check_staging
+from teacher.staging import fits as _fits
+from teacher.staging import piece_tokens as _piece_tokens
+from teacher.staging import token_bytes as _token_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -120,7 +134,7 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so it shares vLLM's log
 
 _STOP = object()  # sender-thread sentinel
 _DEFERRED = object()  # _pending_copies value of a request waiting for a free pinned buffer
-_PARALLEL_COPY_BYTES = 4 << 20  # smaller copies stay on the sender thread
+_STAGED = ("hidden_states", fp8.SCALE_KEY)  # what comes off the cache (the rest is built on the host)
 
 
 class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
@@ -189,7 +203,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             "copy_s": 0.0,
             "digest_s": 0.0,
             "submit_s": 0.0,
+            "pieces": 0,  # samples over teacher.staging_bytes, copied in pieces
+            "staging_peak_bytes": 0,  # the largest pinned buffer or one gather's tensors
         }
+        self._peak_lock = threading.Lock()  # staging_peak_bytes: engine and sender thread
+        self._staged_token = 0  # bytes one token takes while staged (register_kv_caches)
         # Mode spool (no Publisher): the teacher id and sequence numbers the files carry, as a
         # Publisher would give them (transport.teacher_id, else host-pid-random; seq from 1).
         self._spool_tid = ""
@@ -285,8 +303,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         super().register_kv_caches(kv_caches)
         if not self._is_tp_rank_zero or self._sender is not None:
             return
+        kv = self._kv_cache
+        quantize = self.cfg.hidden_dtype == "fp8"
+        self._staged_token = _token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), quantize)
+        _check_staging(self.cfg.staging_bytes, self._staged_token, "staging_bytes")
         if self._kv_cache.is_cuda:
-            self._pinned = _PinnedPool(self.cfg.pinned_buffers)
+            self._pinned = _PinnedPool(self.cfg.pinned_buffers, limit=self.cfg.staging_bytes)
             if self.cfg.copy_threads > 1:
                 self._copy_pool = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="distill-copy")
         if self.cfg.mode == "stream":
@@ -313,37 +335,33 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             "distill: this worker places samples (mode %s, spool %s)", self.cfg.mode, self.cfg.spool.dir
         )
 
-    def _slot_mapping(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        blocks = torch.tensor(block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
-        return slots[:num_tokens]
-
     def _extract(self, pending, info: _SampleInfo | None, *, wait: bool = False) -> bool:
-        """Copy one finished request's rows off the cache and queue them for the sender thread.
-        False (nothing done) when every pinned staging buffer is busy: the caller keeps the
-        request's blocks and tries again at a later step. `wait`: never defer (a pageable,
-        synchronous copy instead; used at shutdown)."""
+        """Copy one finished request's rows off the cache and queue them for the sender thread
+        (CUDA: on a side stream into a reused pinned buffer; CPU: a plain gather). False (nothing
+        done) when every pinned staging buffer is busy: the caller keeps the request's blocks and
+        tries again at a later step. `wait`: never defer (a pageable, synchronous copy instead;
+        used at shutdown). A sample over `staging_bytes` is queued as `Pieces`
+        (teacher/staging.py) that the sender thread copies; its blocks stay held meanwhile."""
         if info is None:  # cannot happen unless scheduler/worker bookkeeping diverged
             info = self._info_for(pending.req_id, None)
             info.path = pending.filename
         kv = self._kv_cache
         num_tokens = int(pending.token_ids.shape[0])
         quantize = self.cfg.hidden_dtype == "fp8"
-        slots = self._slot_mapping(pending.block_ids, num_tokens)
+        slots = slot_mapping(pending.block_ids, self._block_size, num_tokens)
         mask = positions = None
         if info.capture == "loss_mask":  # only the trained positions' rows leave the cache
             mask = loss_mask(info, num_tokens)
             positions = held_positions(mask)
             slots = slots.index_select(0, positions.long())
         num_rows = int(slots.shape[0])
-        copy_done = None
-        staging = None
-        scale_host = None
+        whole = _fits(num_rows, self._staged_token, self.cfg.staging_bytes)
+        copy_done = staging = pieces = stream = None
+        perm = self._perm
         if kv.is_cuda:
             elems = kv.numel() // (kv.shape[0] * self._block_size)  # values per token (all layers)
             token_bytes = elems + 4 * max(1, len(self.layer_ids)) if quantize else elems * kv.element_size()
-            nbytes = num_rows * token_bytes + 128  # + the parts' alignment
+            nbytes = num_rows * token_bytes + SLACK if whole else self.cfg.staging_bytes
             staging = self._pinned.take(nbytes) if self._pinned is not None else None
             if staging is None and not wait and self._pinned is not None and self._pinned.capacity > 0:
                 return False  # every pinned buffer busy: later, never a synchronous copy here
@@ -351,45 +369,37 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             ready = torch.cuda.Event()
             ready.record()
             stream.wait_event(ready)  # the copy sees every write of the forward pass
-            with torch.cuda.stream(stream), _sync_allowed():
-                rows = _ref.extract_from_kv_cache(kv, slots.to(kv.device, non_blocking=True), num_rows)
-                if self._perm is not None:
-                    if self._perm_dev is None:
-                        self._perm_dev = self._perm.to(kv.device)
-                    rows = rows.index_select(1, self._perm_dev)  # configured layer order
-                parts = list(fp8.quantize(rows)) if quantize else [rows]  # fp8: on the GPU
-                need = _staged_bytes(parts)
-                if staging is not None and need > staging.numel():
+        with torch.cuda.stream(stream) if stream is not None else nullcontext(), _sync_allowed():
+            if stream is not None:
+                if self._perm is not None and self._perm_dev is None:
+                    self._perm_dev = self._perm.to(kv.device)
+                perm, slots = self._perm_dev, slots.to(kv.device, non_blocking=True)
+            if whole:  # configured layer order; fp8: quantized on the GPU
+                hosts, work = stage_whole(kv, slots, perm, quantize, staging)
+                self._note_staging(work)
+                if staging is not None and hosts[0].data_ptr() != staging.data_ptr():
                     self._pinned.give(staging)  # the cache held more per token than estimated
                     staging = None
-                if staging is not None:
-                    hosts, off = [], 0
-                    for t in parts:
-                        n = t.numel() * t.element_size()
-                        h = staging[off : off + n].view(t.dtype).view(t.shape)
-                        h.copy_(t, non_blocking=True)
-                        hosts.append(h)
-                        off += -(-n // 64) * 64  # each part 64-byte aligned in the buffer
-                else:
-                    hosts = [t.to("cpu") for t in parts]  # no pinned pool (pinned_buffers: 0) or shutdown
-                    self._timing["pageable_copies"] += 1
-                host = hosts[0]
-                scale_host = hosts[1] if quantize else None
-                copy_done = torch.cuda.Event()
-                copy_done.record(stream)
-        else:
-            # CPU: advanced indexing already gathers into a new tensor; no pinning, streams or events.
-            host = _ref.extract_from_kv_cache(kv, slots, num_rows)
-            host = host.index_select(1, self._perm) if self._perm is not None else host.contiguous()
-            if quantize:
-                host, scale_host = fp8.quantize(host)
+                if stream is not None:
+                    copy_done = torch.cuda.Event()
+                    copy_done.record(stream)
+            else:
+                piece = _piece_tokens(self.cfg.staging_bytes, self._staged_token)
+                pieces = Pieces(kv, slots, perm, quantize, piece, stream=stream, staging=staging)
+                hosts = pieces.placeholders()
+                self._timing["pieces"] += 1
+        if staging is not None:
+            self._note_staging(staging.numel())
+        elif kv.is_cuda:
+            self._timing["pageable_copies"] += 1  # no pinned pool (pinned_buffers: 0) or shutdown
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
             lock_fd = _take_lock(info.path)
-        self._pending_copies[pending.req_id] = copy_done
-        job = _Job(pending.req_id, info, pending.token_ids.clone(), host, copy_done, staging, lock_fd)
+        self._pending_copies[pending.req_id] = pieces or copy_done
+        job = _Job(pending.req_id, info, pending.token_ids.clone(), hosts[0], copy_done, staging, lock_fd)
+        job.pieces = pieces
         if quantize:
-            job.hidden_scale, job.model_dtype = scale_host, kv.dtype
+            job.hidden_scale, job.model_dtype = hosts[1], kv.dtype
         job.loss_mask, job.positions = mask, positions
         try:
             self._queue.put_nowait(job)
@@ -398,6 +408,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._queue.put(job)
             self._timing["engine_wait_s"] += time.perf_counter() - t0
         return True
+
+    def _note_staging(self, nbytes: int) -> None:
+        with self._peak_lock:
+            self._timing["staging_peak_bytes"] = max(self._timing["staging_peak_bytes"], nbytes)
 
     def _extract_or_defer(self, pending, info: _SampleInfo | None) -> None:
         """Pending saves are copied in order: behind earlier deferred ones, or deferred too."""
@@ -475,22 +489,19 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             tensors[POSITIONS_KEY] = job.positions
         tensors["token_ids"] = job.token_ids
         slot = None
-        if job.staging is not None:
-            # Out of the pinned buffer (it goes back to the pool at once): straight into a slot of
-            # the Publisher's shared-memory ring when there is room (the one host copy a same-host
-            # student needs), else into fresh pageable memory.
+        if job.staging is not None or job.pieces is not None:
+            # Out of the pinned buffer (it goes back to the pool at once), or piece by piece off the
+            # cache (a sample over staging_bytes): straight into a slot of the Publisher's
+            # shared-memory ring when there is room (the one host copy a same-host student needs),
+            # else into fresh pageable memory.
             t0 = time.perf_counter()
-            if self._publisher is not None:
-                slot = self._publisher.ring_slot({k: (list(t.shape), t.dtype) for k, t in tensors.items()})
-            if slot is not None:
-                for k, t in tensors.items():
-                    self._copy(slot.tensors[k], t)
-                tensors = dict(slot.tensors)
-            else:
-                tensors["hidden_states"] = self._copy(torch.empty_like(hs), hs)
-                if job.hidden_scale is not None:
-                    tensors[fp8.SCALE_KEY] = job.hidden_scale.clone()  # out of the staging buffer too
-            self._pinned.give(job.staging)
+            size = self.cfg.transport.max_buffer_bytes
+            tensors, slot = destination(self._publisher, size, tensors, _STAGED, self._copy)
+            if job.pieces is not None:  # (a failure stops the engine: the slot is not given back)
+                job.pieces.run([tensors[k] for k in tensors if k in _STAGED], copy=self._copy)
+                self._note_staging(job.pieces.peak)
+            if job.staging is not None:
+                self._pinned.give(job.staging)
             self._timing["copy_s"] += time.perf_counter() - t0
         x3t = None
         if self.cfg.transport.checksum == "xxh3-tree":
@@ -534,41 +545,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """`dst.copy_(src)`, split in chunks over the copy threads when it is large (CUDA path)."""
-        nbytes = src.numel() * src.element_size()
-        pool = self._copy_pool
-        if pool is None or nbytes < _PARALLEL_COPY_BYTES or not (dst.is_contiguous() and src.is_contiguous()):
-            return dst.copy_(src)
-        d = dst.reshape(-1).view(torch.uint8)
-        s = src.reshape(-1).view(torch.uint8)
-        n = self.cfg.copy_threads
-        step = -(-nbytes // n)
-        step = -(-step // 4096) * 4096  # page-aligned chunks
-        futures = [pool.submit(d[i : i + step].copy_, s[i : i + step]) for i in range(0, nbytes, step)]
-        for f in futures:
-            f.result()  # re-raises a failed chunk
-        return dst
+        return parallel_copy(self._copy_pool, self.cfg.copy_threads, dst, src)
 
     def _digest(self, tensors: list[torch.Tensor]) -> int:
-        """The `x3t` tree digest of `tensors` (in order); its leaves split over the copy threads,
-        each thread hashing one contiguous run of leaves of one tensor."""
-        views = [tensor_bytes(t) for t in tensors]
-        digests = ChunkDigests([v.nbytes for v in views])
-        pool = self._copy_pool
-        total = sum(v.nbytes for v in views)
-        if pool is None or total < _PARALLEL_COPY_BYTES:
-            for i, v in enumerate(views):
-                digests.add(i, 0, chunk_digests(v))
-            return digests.root()
-        per = max(1, -(-total // (DIGEST_CHUNK * self.cfg.copy_threads)))  # leaves per task
-        futures = []
-        for i, v in enumerate(views):
-            leaves = -(-v.nbytes // DIGEST_CHUNK)
-            for first in range(0, leaves, per):
-                part = v[first * DIGEST_CHUNK : (first + per) * DIGEST_CHUNK]
-                futures.append(pool.submit(_leaves_into, digests, i, first, part))
-        for f in futures:
-            f.result()
-        return digests.root()
+        """The `x3t` tree digest of `tensors` (in order), its leaves hashed by the copy threads."""
+        return parallel_digest(self._copy_pool, self.cfg.copy_threads, tensors)
 
     def shutdown(self):
         if self._closed:
@@ -618,12 +599,3 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
             timing = {k: round(v, 3) for k, v in self._timing.items()}
             logger.info("distill: connector timing: %s", timing)
-
-
-def _staged_bytes(parts: list[torch.Tensor]) -> int:
-    """Bytes the parts take in one staging buffer, each 64-byte aligned."""
-    return sum(-(-(t.numel() * t.element_size()) // 64) * 64 for t in parts)
-
-
-def _leaves_into(digests: ChunkDigests, index: int, first: int, part) -> None:
-    digests.add(index, first, chunk_digests(part))

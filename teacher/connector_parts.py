@@ -1,6 +1,6 @@
 """Self-contained parts of the KV connector (teacher/connector.py): what travels from the scheduler
 to the worker per request (`_SampleInfo`), the sender thread's input (`_Job`), the pinned staging
-pool of the CUDA copy path (`_PinnedPool`), the configured-layer-order permutation (`_layer_perm`),
+pool of the CUDA copy path (`_PinnedPool`, buffers of at most `teacher.staging_bytes`), the configured-layer-order permutation (`_layer_perm`),
 the loss mask built from a request's `loss_spans` (`_spans_ok`, `loss_mask`) and the spool lock
 (`_take_lock`). No vLLM import here: only torch and distill.
 """
@@ -48,6 +48,9 @@ class _Job:
     model_dtype: torch.dtype | None = None  # what fp8 hidden states stand for (else None)
     loss_mask: torch.Tensor | None = None  # [T] uint8, computed at extraction (capture loss_mask)
     positions: torch.Tensor | None = None  # [R] int32: the rows `hidden_states` holds (else all)
+    # A sample over teacher.staging_bytes: its teacher.staging.Pieces, copied by the sender thread
+    # (`hidden_states` and `hidden_scale` are then meta-device placeholders); else None.
+    pieces: Any = None
 
 
 class _PinnedPool:
@@ -55,12 +58,13 @@ class _PinnedPool:
 
     A buffer is taken for one copy and given back by the sender thread as soon as the rows were
     copied into pageable memory (the Publisher keeps that copy until acked, so pinned memory stays
-    bounded at `capacity` buffers). When every buffer is busy, `take` returns None and the caller
-    copies into pageable memory instead.
+    bounded at `capacity` buffers of at most `limit` bytes: `teacher.staging_bytes`). When every
+    buffer is busy, `take` returns None and the caller defers the copy.
     """
 
-    def __init__(self, capacity: int, *, pin: bool = True):
+    def __init__(self, capacity: int, *, pin: bool = True, limit: int = 0):
         self.capacity = capacity  # most buffers ever allocated
+        self.limit = limit  # largest buffer allocated (0: none); a request for more gets its size
         self.pin = pin  # False only in CPU unit tests (pinning needs CUDA)
         self._free: list[torch.Tensor] = []  # idle uint8 pinned buffers
         self._count = 0  # buffers allocated so far
@@ -79,6 +83,8 @@ class _PinnedPool:
             else:
                 return None
         size = 1 << max(20, (nbytes - 1).bit_length())  # power of two >= 1 MiB: few re-allocations
+        if self.limit:
+            size = min(size, max(self.limit, nbytes))
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ import time
 
 from distill.config import ConfigError, TransportConfig
 from distill.journal import Journal, JournalBusy
-from teacher.config import TeacherConfig, check_layer_ids, model_num_layers
+from teacher.config import TeacherConfig, check_layer_ids, model_config, model_dtype, model_num_layers
 from teacher.data import BadRow, check_dataset
 from teacher.state import say
 
@@ -24,6 +24,7 @@ def preflight(cfg: TeacherConfig) -> tuple[list[str], list[BadRow]]:
     skipped (teacher.on_bad_row=skip). Raises ConfigError."""
     num_layers = model_num_layers(cfg.model)
     check_layer_ids(cfg.layer_ids, num_layers)
+    check_staging(cfg)
     length = None
     if cfg.on_too_long == "fail":  # every row tokenized now, so a long one fails before vLLM
         from teacher.data import Prompter
@@ -34,6 +35,23 @@ def preflight(cfg: TeacherConfig) -> tuple[list[str], list[BadRow]]:
     if cfg.idle_timeout_s is not None:
         log.warning("teacher.idle_timeout_s is deprecated and ignored (see teacher.student_wait_s)")
     return keys, bad
+
+
+def check_staging(cfg: TeacherConfig) -> None:
+    """teacher.staging_bytes must hold two pieces of one token each (teacher/staging.py)."""
+    from teacher.staging import check_staging_bytes, token_bytes
+
+    hidden = model_config(cfg.model).get("hidden_size")
+    if not isinstance(hidden, int) or isinstance(hidden, bool):
+        return  # vLLM says what is wrong with the model
+    dtype = model_dtype(cfg.model) if cfg.dtype == "auto" else cfg.dtype
+    elem = 4 if dtype == "float32" else 2
+    try:
+        check_staging_bytes(
+            cfg.staging_bytes, token_bytes(len(cfg.layer_ids), hidden, elem, cfg.hidden_dtype == "fp8")
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_journal_free(path: str, wait_s: float = 10.0) -> None:
