@@ -27,8 +27,9 @@ Worker side (each worker process; only tensor-parallel rank 0 sends)
     wait_for_save()  every step: takes an exclusive flock on `<spool path>.lock` of new requests.
     get_finished(finished_req_ids)  every step: gathers finished requests' rows from the cache,
         copies them to host memory (CUDA: side stream into reused pinned buffers; CPU: a plain
-        gather) and queues them for the sender thread; reports a request "finished sending" once
-        its rows are off the cache, so vLLM can free its blocks. The engine step never waits for
+        gather) and queues them for the sender thread (a sample over `staging_bytes`: in pieces,
+        by that thread, teacher/staging.py); reports a request "finished sending" once its rows
+        are off the cache, so vLLM can free its blocks. The engine step never waits for
         students: `Publisher.submit` spools when memory is full or no student is connected.
     get_finished_count()  1: only rank 0 reports, the other ranks would otherwise block the free.
     shutdown()  at engine shutdown: drains the sender thread, closes the Publisher's input, waits
