@@ -163,26 +163,27 @@ class Pieces:
         half = self.staging.numel() // 2 if self.staging is not None else 0
         waiting = None  # (start, end, host views, event) of the piece in the staging buffer
         try:
-            ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
-            with ctx:
-                for i, a in enumerate(range(0, self.num_tokens, self.piece)):
-                    b = min(a + self.piece, self.num_tokens)
-                    rows = gather_rows(self.kv, self.slots[a:b], self.perm)
-                    parts = list(fp8.quantize(rows)) if self.quantize else [rows]
-                    self.peak = max(self.peak, working_bytes(rows, parts))
-                    if self.staging is None:
-                        for d, p in zip(dsts, parts, strict=True):
-                            d[a:b].copy_(p)
-                        continue
-                    hosts = into_staging(self.staging[(i % 2) * half : (i % 2 + 1) * half], parts)
-                    event = None
-                    if self.stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(self.stream)
-                    del rows, parts  # device memory back to the stream's pool, in stream order
-                    if waiting is not None:
-                        _drain(waiting, dsts, copy)  # overlaps the copy of piece i
-                    waiting = (a, b, hosts, event)
+            cuda = self.stream is not None  # on the sender thread: the cache's device, the copy stream
+            with torch.cuda.device(self.kv.device) if cuda else nullcontext():
+                with torch.cuda.stream(self.stream) if cuda else nullcontext():
+                    for i, a in enumerate(range(0, self.num_tokens, self.piece)):
+                        b = min(a + self.piece, self.num_tokens)
+                        rows = gather_rows(self.kv, self.slots[a:b], self.perm)
+                        parts = list(fp8.quantize(rows)) if self.quantize else [rows]
+                        self.peak = max(self.peak, working_bytes(rows, parts))
+                        if self.staging is None:
+                            for d, p in zip(dsts, parts, strict=True):
+                                d[a:b].copy_(p)
+                            continue
+                        hosts = into_staging(self.staging[(i % 2) * half : (i % 2 + 1) * half], parts)
+                        event = None
+                        if self.stream is not None:
+                            event = torch.cuda.Event()
+                            event.record(self.stream)
+                        del rows, parts  # device memory back to the stream's pool, in stream order
+                        if waiting is not None:
+                            _drain(waiting, dsts, copy)  # overlaps the copy of piece i
+                        waiting = (a, b, hosts, event)
             if waiting is not None:
                 _drain(waiting, dsts, copy)
         finally:
