@@ -307,7 +307,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         kv = self._kv_cache
         quantize = self.cfg.hidden_dtype == "fp8"
         self._staged_token = _token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), quantize)
-        _check_staging(self.cfg.staging_bytes, self._staged_token, "staging_bytes")
+        _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
         if self._kv_cache.is_cuda:
             self._pinned = _PinnedPool(self.cfg.pinned_buffers, limit=self.cfg.staging_bytes)
             if self.cfg.copy_threads > 1:
