@@ -145,6 +145,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     _fault = ""
     _spool_tid = ""
     _spool_seq = 0
+    _staged_token = 0  # (every sample then fits the staging bound: staged whole)
+    _peak_lock = threading.Lock()
 
     def __init__(
         self,
@@ -412,7 +414,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
 
     def _note_staging(self, nbytes: int) -> None:
         with self._peak_lock:
-            self._timing["staging_peak_bytes"] = max(self._timing["staging_peak_bytes"], nbytes)
+            self._timing["staging_peak_bytes"] = max(self._timing.get("staging_peak_bytes", 0), nbytes)
 
     def _extract_or_defer(self, pending, info: _SampleInfo | None) -> None:
         """Pending saves are copied in order: behind earlier deferred ones, or deferred too."""
