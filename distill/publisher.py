@@ -353,6 +353,7 @@ class Publisher(StudentSessions):
         s["students"] = self._students.count
         s["uncommitted"] = sum(len(st.uncommitted) for st in studs)
         s["inflight"] = sum(len(st.inflight) for st in studs)
+        s["credit_free"] = sum(max(st.credit_samples, 0) for st in studs)  # samples it may send now
         s["pending"] = len(self._pending) + len(self._inbox)
         s["spool_files"] = len(self._spooler)
         s["read_ahead_ready"] = self._spooler.ready()

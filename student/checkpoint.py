@@ -13,6 +13,7 @@ this rank can load; ranks resume from the newest step that every rank has, or re
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -33,8 +34,10 @@ from distill.checkpoints import (
     step_of,
     write_ledger,
 )
+from distill.spool import disk_room
 from student.config import StudentConfig
 from student.data import StudentError
+from student.errors import CheckpointError
 from student.ledger import Ledger
 
 logger = get_logger(__name__)
@@ -162,20 +165,81 @@ def load_checkpoint(accelerator: Accelerator, ledger: Ledger, folder: Path) -> N
 def save_checkpoint(
     accelerator: Accelerator, ledger: Ledger, ckpt_dir: Path, step: int, keep: int, per_node: bool = False
 ) -> Path:
-    """save_state (model, optimizer, RNG, scheduler) and the ledger, mark the folder complete and
-    point `latest` at it atomically. per_node: no shared storage; every node's local main process
-    saves the model, optimizer and ledger (save_on_each_node), marks, points and prunes on its node."""
+    """save_state (model, optimizer, RNG, scheduler) and the ledger into a hidden temporary folder,
+    mark it complete and rename it to its `step_*` name once every rank's files are in, then point
+    `latest` at it atomically. per_node: no shared storage; every node's local main process saves
+    the model, optimizer and ledger (save_on_each_node), renames, points and prunes on its node.
+
+    A write that fails (a full disk) on any rank: the temporary folder is removed on every node
+    and every rank raises the same CheckpointError (one line naming the folder and the disk), so
+    no half checkpoint is ever taken for a good one and no rank blames another for leaving."""
     ledger.merge(flatten(gather_object([ledger.local])))  # every rank now holds every rank's keys
     path = step_folder(ckpt_dir, step)
-    accelerator.save_state(str(path))
+    tmp = ckpt_dir / f".{path.name}.partial"
+    saver = accelerator.is_local_main_process if per_node else accelerator.is_main_process
+    if saver:
+        for old in ckpt_dir.glob(".step_*.partial"):  # left by a run that died while saving
+            shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
-    if accelerator.is_local_main_process if per_node else accelerator.is_main_process:
-        write_ledger(path, ledger.state_dict())
-        (path / COMPLETE).write_text("")  # every rank's files are in (the barrier above)
-        point_latest(ckpt_dir, path)
+    err = _attempt(lambda: accelerator.save_state(str(tmp)), accelerator)
+    errs = gather_object([err]) if accelerator.num_processes > 1 else [err]
+    if not any(errs) and saver:
+        err = _attempt(lambda: _complete(ckpt_dir, tmp, path, ledger), accelerator)
+    errs = gather_object([err]) if accelerator.num_processes > 1 else [err]
+    if any(errs):
+        if saver:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = [e for e in errs if e][0]
+        full = any(w in why for w in ("No space left", "unexpected pos", "os error 28", "Disk quota"))
+        raise CheckpointError(_save_failed(ckpt_dir, path, why), full)
+    if saver:
         logger.info("checkpoint %s (%d samples in the ledger)", path, len(ledger.trained))
         if keep:  # only after `latest` points at the new one
             for old in sorted(ckpt_dir.glob("step_*"))[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return path
+
+
+def _attempt(fn, accelerator: Accelerator) -> str:
+    """Run `fn`; '' when it worked, else why (rank, host, the error) in one line. Any failure is
+    caught so that every rank reaches the gather that follows (a disk error raised on one rank
+    would otherwise leave the others waiting in a collective and blaming it as lost)."""
+    try:
+        fn()
+        return ""
+    except Exception as e:  # torch / safetensors wrap the OS error of a failed write
+        text = (getattr(e, "strerror", None) or str(e) or type(e).__name__).splitlines()[0]
+        if not _disk_full(e):
+            logger.error("checkpoint save failed", exc_info=True, main_process_only=False)
+        return f"rank {accelerator.process_index} on {socket.gethostname()}: {text}"
+
+
+def _disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "No space left" in text or "unexpected pos" in text or "os error 28" in text
+
+
+def _complete(ckpt_dir: Path, tmp: Path, path: Path, ledger: Ledger) -> None:
+    """(The saving process, every rank's files in) the ledger, `.complete`, the rename, `latest`."""
+    write_ledger(tmp, ledger.state_dict())
+    (tmp / COMPLETE).write_text("")
+    if path.exists():  # an older run's folder of the same step (not the one it resumed from)
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    point_latest(ckpt_dir, path)
+
+
+def _save_failed(ckpt_dir: Path, path: Path, why: str) -> str:
+    du = disk_room(ckpt_dir)
+    room = f" ({du[2]})" if du else ""
+    kept = latest(ckpt_dir)
+    newest = f"the newest complete one is {kept}" if kept is not None else "there is no complete one yet"
+    return (
+        f"cannot write checkpoint {path} (student.checkpoint_dir {ckpt_dir}{room}): {why}; nothing of "
+        f"it was kept, {newest}. Free space there or set student.checkpoint_dir to a larger disk, "
+        f"then restart with --set student.resume_from=latest (the teacher sends what no checkpoint "
+        f"covers again)"
+    )

@@ -169,6 +169,9 @@ class StudentConfig(Strict):
     collective_timeout_s: float = Field(600.0, gt=0)
     # Log every N optimizer steps (main process).
     log_every: int = Field(10, gt=0)
+    # Prometheus endpoint of each rank: rank r serves http://0.0.0.0:<metrics_port + r>/metrics
+    # (student/exporter.py); 0 = off. A port in use: exit 2.
+    metrics_port: int = Field(0, ge=0, le=65535)
     # Accelerate trackers, e.g. [tensorboard].
     trackers: list[Literal["tensorboard"]] = Field(default_factory=list)
 

@@ -132,6 +132,7 @@ class Progress:
     trained: int = 0  # samples covered by this job's completed optimizer steps
     ckpt: str | None = None  # the newest checkpoint this job saved or resumed from
     ckpt_samples: int = 0
+    exporter: object = None  # student.exporter.StudentMetrics when student.metrics_port is set
 
 
 class Trainer:
@@ -186,6 +187,7 @@ class Trainer:
         self.anyone_backlogged = False  # last iteration: decides whether a rank may wait for samples
         self.gone: str | None = None  # why the teacher is gone (some rank heard nothing)
         self.counts = {"stale": 0, "duplicates": 0}
+        self.trained_here = self.tokens_here = 0  # this rank, this process (student/exporter.py)
         self.layers_noted = False  # the unused-layers hint is logged once
         self.capped_said = False  # and the credit-window hint
 
@@ -390,6 +392,8 @@ class Trainer:
         dropped): the step that used them is done."""
         self.source.ack(self.pending + self.dup_wait)
         self.ledger.record([s.key for s in self.pending], self.rank, self.step)
+        self.trained_here += len(self.pending)
+        self.tokens_here += sum(s.num_tokens for s in self.pending)
         self.trained_h |= self.claimed_h
         self.claimed_h.clear()
         self.progress.trained = len(self.trained_h)

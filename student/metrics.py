@@ -124,7 +124,42 @@ def write_metrics(path: Path, ledger: Ledger, world: int, source_stats: list[dic
         "world_size": world,
         "source_stats": source_stats,  # per rank: the Subscriber's counters (empty for spool)
     }
-    data = {"summary": summary, "steps": hist, "trained": ledger.trained}
+    data = {
+        "exit_code": 0,
+        "exit_reason": "done",
+        "summary": summary,
+        "steps": hist,
+        "trained": ledger.trained,
+    }
+    _write_json(path, data)
+
+
+def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def write_exit(cfg, progress, code: int, reason: str, message: str) -> None:
+    """metrics.json of a stopped run: `accelerate launch` exits 1 whatever happened, so the rank's
+    own exit code, a reason token (teacher_gone, peer_lost, checkpoint_disk_full, error) and its
+    one line are here for scripts, with what this job trained (no `steps` / `trained`: the ranks
+    did not gather them). Never raises (the output folder's disk may be the one that is full)."""
+    data = {
+        "exit_code": code,
+        "exit_reason": reason,
+        "exit_message": message,
+        "summary": {
+            "samples": progress.trained,
+            "checkpoint": progress.ckpt,
+            "checkpoint_samples": progress.ckpt_samples,
+            "world_size": progress.world,
+            "rank": progress.rank,
+        },
+    }
+    path = Path(cfg.output_dir) / "metrics.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(path, data)
+    except OSError as e:
+        logger.warning("cannot write %s: %s", path, e, main_process_only=False)

@@ -38,8 +38,10 @@ from distill.config import ConfigError, RunFile
 from student.checkpoint import load_checkpoint, probe_storage, resolve_resume
 from student.config import StudentConfig, load_student_config
 from student.data import SpoolSource, StreamSource, StudentError
+from student.exporter import StudentMetrics
 from student.ledger import Ledger
 from student.loop import Progress, TeacherLeft, Trainer
+from student.metrics import write_exit
 from student.multinode import PeerTable, first_line, is_peer_failure, local_address, set_gloo_ifname
 from student.recipe import (
     build_model,
@@ -164,10 +166,13 @@ def setup(
         disable=not accelerator.is_local_main_process,
         desc="student",
     )
-    return Trainer(
+    trainer = Trainer(
         accelerator, cfg, built, model, optimizer, scheduler, ledger, source,
         credit=credit, ctl_group=ctl_group, ckpt_dir=ckpt_dir, per_node=per_node, progress=progress, bar=bar,
     )  # fmt: skip
+    if progress.exporter is not None:
+        progress.exporter.trainer = trainer  # the endpoint reads its counters from here on
+    return trainer
 
 
 def resume(accelerator: Accelerator, cfg: StudentConfig, progress: Progress) -> Ledger:
@@ -243,24 +248,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(argv: list[str] | None = None, hold: list | None = None) -> int:
     """Load the config and train; returns the exit code after printing the one line of a stopped
-    run (a user error, the teacher gone, a lost peer). Anything else raises. Callable in-process
-    (world 1: no process group); `hold` receives what must outlive the call (see main())."""
+    run (a user error, the teacher gone, a lost peer) and writing it to metrics.json (`exit_code`,
+    `exit_reason`, `exit_message`). Anything else raises. Callable in-process (world 1: no process
+    group); `hold` receives what must outlive the call (see main())."""
     args = parse_args(argv)
     hold = [] if hold is None else hold
     progress = Progress()
+    rank = int(os.environ.get("RANK", "0"))
+    cfg = None
     try:
         cfg, runfile = load_student_config(args.config, args.set)
+        if cfg.metrics_port:  # before the process group: a port in use is one line, exit 2
+            credit = runfile.transport.credit_samples * len(runfile.transport.connect)
+            progress.exporter = StudentMetrics(
+                cfg.metrics_port, rank, credit if cfg.mode == "stream" else None
+            )
+            hold.append(progress.exporter.start())
         hold.append(training_function(cfg, runfile, progress))
         return 0
     except TeacherLeft as e:
         # Every rank stops with code 3; only the main one says why, in one line.
-        if int(os.environ.get("RANK", "0")) == 0:
-            line = gone_message(e.why, e.trained, cfg, runfile, args.config)
+        line = gone_message(e.why, e.trained, cfg, runfile, args.config)
+        if rank == 0:
             print(f"student stopped: {line}", file=sys.stderr, flush=True)
+            write_exit(cfg, progress, EXIT_TEACHER_GONE, "teacher_gone", line)
         hold.append(e)  # its traceback holds the training frame's objects
         return EXIT_TEACHER_GONE
     except (ConfigError, StudentError) as e:
         print(f"student error: {e}", file=sys.stderr, flush=True)
+        if rank == 0 and cfg is not None:
+            write_exit(cfg, progress, EXIT_USER_ERROR, getattr(e, "reason", "error"), str(e))
         hold.append(e)
         return EXIT_USER_ERROR
     except Exception as e:
@@ -269,7 +286,10 @@ def run(argv: list[str] | None = None, hold: list | None = None) -> int:
         if not (progress.world > 1 and is_peer_failure(e)):
             raise
         restart = restart_command(args.config, args.set)
-        print(f"student stopped: {peer_lost_message(e, progress, cfg, restart)}", file=sys.stderr, flush=True)
+        line = peer_lost_message(e, progress, cfg, restart)
+        print(f"student stopped: {line}", file=sys.stderr, flush=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # rank 0 may be the one that is gone
+            write_exit(cfg, progress, EXIT_PEER_LOST, "peer_lost", line)
         hold.append(e)
         return EXIT_PEER_LOST
 

@@ -38,9 +38,9 @@ committed); a journal that cannot be read or repaired is one line naming it, exi
 Exit codes: 0 every sample committed (after_generation=exit: everything generated and spooled);
 1 the vLLM engine died, the serve phase's publisher failed, the journal could not be read, or
 samples are missing (one line with counts and the command that finishes the job; END is never
-sent); 2 config or usage error (before vLLM starts); 3 no student progress for
+sent); 2 config or usage error (before vLLM starts; also teacher.metrics_port in use); 3 no student progress for
 `teacher.student_wait_s` with samples left (they are in the spool; the printed command finishes the
-job); 4 finished as 0 but
+job); 6 finished as 0 but
 dataset rows were skipped (teacher.on_bad_row / on_too_long: skip; listed in
 `<journal>.skipped.jsonl`, counted in the summary); 5 the live probe (teacher.verify_every,
 verify_fail=stop; teacher/verify.py) found a delivered sample that transformers does not reproduce
@@ -79,11 +79,13 @@ import sys
 
 from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
 from distill.journal import JournalError, OwnerLock
+from distill.metrics import check_port_free
 from distill.spool import SPOOL_FULL_ADVICE, disk_room, spool_bytes
 from teacher.config import TeacherConfig, load_teacher_config, model_dtype
 from teacher.data import BadRow
 from teacher.engine import EngineDied
 from teacher.generate import generate
+from teacher.metrics import TeacherMetrics
 from teacher.preflight import check_endpoints_free, check_journal_free, preflight
 from teacher.serving import serve
 from teacher.state import (
@@ -144,6 +146,8 @@ def run(
     finally:
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
+        if r.metrics is not None:
+            r.metrics.close()
 
 
 def start_run(cfg, transport, spool, keys, command, bad_rows) -> Run:
@@ -165,6 +169,8 @@ def start_run(cfg, transport, spool, keys, command, bad_rows) -> Run:
         )
     r.base_tid = transport.teacher_id or f"{socket.gethostname()}-{os.getpid()}"
     r.committed_at_start = len(r.committed() & set(keys))
+    if cfg.metrics_port:  # one endpoint for every phase (teacher/metrics.py)
+        r.metrics = TeacherMetrics(r).start(cfg.metrics_port)
     return r
 
 
@@ -335,6 +341,8 @@ def checked_run(cfg: TeacherConfig, runfile, command: str) -> int:
         check_journal_free(cfg.journal)  # also sets aside a torn last line or damaged lines (one log line)
         if cfg.connector_mode == "stream" or cfg.after_generation == "serve":
             check_endpoints_free(runfile.transport)
+        if cfg.metrics_port:
+            check_port_free(cfg.metrics_port, "teacher.metrics_port")
         return run(cfg, runfile.transport, runfile.spool, keys, command, bad_rows)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)

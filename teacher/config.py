@@ -101,6 +101,9 @@ class ConnectorConfig(ConnectorTuning):
     # The live probe (teacher.verify_every): requests marked `verify` in their kv_transfer_params
     # get a copy of the delivered sample written here (distill-teacher checks and removes it).
     verify_dir: str | None = None
+    # Mode stream: write the Publisher's stats (JSON) here every second and when it closes
+    # (distill-teacher reads them for its metrics endpoint and summary); None: not written.
+    stats_path: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -163,10 +166,10 @@ class TeacherConfig(ConnectorTuning):
     # A row that cannot be used (invalid JSON, no usable field, null/empty text, malformed chat
     # messages, invalid token ids, bad or duplicate key), found before vLLM starts: fail (exit 2,
     # one line per bad row) or skip (listed in `<journal>.skipped.jsonl`, counted in the summary,
-    # exit 4 at the end instead of 0).
+    # exit 6 at the end instead of 0).
     on_bad_row: Literal["fail", "skip"] = "fail"
     # A row longer than max_model_len - max_tokens tokens: skip (as on_bad_row=skip: listed,
-    # counted, exit 4), truncate (keep the first max_model_len - max_tokens tokens; counted in the
+    # counted, exit 6), truncate (keep the first max_model_len - max_tokens tokens; counted in the
     # summary) or fail (every row is tokenized before vLLM starts; exit 2 naming the row).
     on_too_long: Literal["skip", "truncate", "fail"] = "skip"
 
@@ -196,6 +199,9 @@ class TeacherConfig(ConnectorTuning):
     progress_every_s: float = Field(5.0, gt=0)
     # Where the run's summary JSON goes; None: `<journal>.summary.json`.
     summary_path: str | None = None
+    # Prometheus endpoint of the whole run (http://0.0.0.0:<port>/metrics: both phases; the
+    # generate phase's Publisher counters come from its connector); 0 = off. A port in use: exit 2.
+    metrics_port: int = Field(0, ge=0, le=65535)
     # The connector's mode (ConnectorConfig.mode); its other settings the run file's transport and
     # spool sections do not cover are ConnectorTuning's (queue_samples, pinned_buffers,
     # copy_threads, drain_timeout_s).

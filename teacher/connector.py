@@ -102,6 +102,7 @@ from distill.protocol import Sample
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 from teacher.connector_parts import (
+    StatsWriter,
     _Job,
     _layer_perm,
     _PinnedPool,
@@ -143,6 +144,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
 
     # Class defaults for instances built without __init__ (unit tests): see __init__.
     _fault = ""
+    _stats = None  # StatsWriter: the Publisher's stats for distill-teacher (cfg.stats_path)
     _spool_tid = ""
     _spool_seq = 0
     _staged_token = 0  # (every sample then fits the staging bound: staged whole)
@@ -324,6 +326,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             )
             self._publisher.start()
             logger.info("Distill publisher bound to %s", ", ".join(self.cfg.transport.bind))
+            if self.cfg.stats_path:
+                self._stats = StatsWriter(self._publisher, self.cfg.stats_path)
         else:
             import secrets
             import socket
@@ -585,6 +589,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                     break
                 time.sleep(0.05)
             pub.close()
+            if self._stats is not None:
+                self._stats.close()
             # (The Publisher's spool files have their `.lock` companion: distill.spool.write_sample.)
             logger.info("distill: publisher closed: %s", pub.stats())
             if self.cfg.journal:  # distill-teacher's sizing figures for the generate phase

@@ -1,13 +1,15 @@
 """Self-contained parts of the KV connector (teacher/connector.py): what travels from the scheduler
 to the worker per request (`_SampleInfo`), the sender thread's input (`_Job`), the pinned staging
 pool of the CUDA copy path (`_PinnedPool`, buffers of at most `teacher.staging_bytes`), the configured-layer-order permutation (`_layer_perm`),
-the loss mask built from a request's `loss_spans` (`_spans_ok`, `loss_mask`) and the spool lock
-(`_take_lock`). No vLLM import here: only torch and distill.
+the loss mask built from a request's `loss_spans` (`_spans_ok`, `loss_mask`), the spool lock
+(`_take_lock`) and the Publisher's stats file (`StatsWriter`). No vLLM import here: only torch and distill.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from typing import Any
 import torch
 
 from distill.spool import lock_path
+
+logger = logging.getLogger("distill.teacher")
 
 
 @dataclass
@@ -135,3 +139,34 @@ def _take_lock(path: str) -> int:
     fd = os.open(lock_path(path), os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
+
+
+class StatsWriter:
+    """Writes the Publisher's `stats()` as JSON to `path` every `every_s` and once more at `close`
+    (atomically): how distill-teacher, in another process, reads the generate phase's counters
+    (teacher/metrics.py)."""
+
+    def __init__(self, pub, path: str, every_s: float = 1.0):
+        self.pub, self.path, self.every_s = pub, path, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distill-stats", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.write()
+
+    def write(self) -> None:
+        try:
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.pub.stats(), f)
+            os.replace(tmp, self.path)
+        except (OSError, TypeError, ValueError) as e:  # metrics only: never stops the engine
+            logger.warning("distill: cannot write publisher stats to %s: %s", self.path, e)
+
+    def close(self) -> None:
+        """Stop the thread, then write the last stats (call after the Publisher closed)."""
+        self._stop.set()
+        self._thread.join()
+        self.write()

@@ -15,6 +15,7 @@ from distill.spool import spool_bytes
 from teacher.config import ConnectorConfig, TeacherConfig, model_config, model_dtype
 from teacher.data import iter_rows
 from teacher.engine import SPOOL_MARGIN_S, EngineDied, EngineWatchdog, build_llm, shutdown_llm
+from teacher.metrics import read_stats_file
 from teacher.preflight import check_endpoints_free, check_journal_free
 from teacher.sizing import note_phase, take_flow
 from teacher.state import Run, ServeFailed, Stop
@@ -35,6 +36,7 @@ def connector_config(r: Run, rnd: int) -> ConnectorConfig:
         journal=cfg.journal,
         include_output_tokens=cfg.include_output_tokens,
         verify_dir=str(r.verify_dir) if r.verifier is not None else None,
+        stats_path=str(r.stats_path()) if cfg.connector_mode == "stream" else None,
         # No caller reads the returned paths while we run: skip the per-request lock files (a file
         # create + flock + unlink on the engine step for each request); spooled files still get one.
         use_lock=False,
@@ -167,12 +169,17 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
     first = windows.first()
     if first[0]:
         take_flow(cfg.journal)  # a crashed engine's counters are not this phase's
+        stats = r.stats_path()
+        stats.unlink(missing_ok=True)  # an earlier round's or run's
+        r.pub.live("generate", lambda: read_stats_file(stats))
         try:
             _run_engine(r, conn, windows, first, stop, len(todo))
-        finally:  # the engine's connector wrote its Publisher's flow counters at shutdown
+        finally:  # the engine's connector wrote its Publisher's flow counters and last stats at shutdown
             flow = take_flow(cfg.journal)
             if flow is not None:
                 note_phase(r.flow, phase, flow, r.spool.readers, r.generated, r.generate_s)
+            r.pub.closed(read_stats_file(stats))
+            stats.unlink(missing_ok=True)
     phase["seconds"] = round(time.monotonic() - t_phase, 3)
     if not first[0]:
         return False

@@ -36,6 +36,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
         pub.start()
     except Exception as e:
         raise ServeFailed(f"cannot start the serve Publisher on {transport.bind}: {e}") from e
+    r.pub.live("serve", pub.stats)
     watch = _Watch(r, pub, tail, phase, committed0)
     try:
         pub.close_input()
@@ -58,6 +59,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
     finally:
         _note_flow(r, phase, pub.stats())
         pub.close()
+        r.pub.closed(pub.stats())  # after close: what it spooled at close is counted
         tail.poll()
         phase["served"] = len(tail.committed & r.required) - committed0
         phase["seconds"] = round(time.monotonic() - t_phase, 3)

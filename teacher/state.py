@@ -19,12 +19,17 @@ from distill.config import SpoolConfig, TransportConfig
 from distill.journal import Journal, JournalError
 from distill.spool import list_spool, spool_bytes, spool_name
 from teacher.config import TeacherConfig
+from teacher.metrics import PublisherTotals
 from teacher.sizing import Flow, sizing
 
 log = logging.getLogger("distill.teacher")
 
 EXIT_OK, EXIT_MISSING, EXIT_CONFIG, EXIT_STUDENTS_GONE, EXIT_SIGNAL = 0, 1, 2, 3, 130
-EXIT_SKIPPED = 4  # finished (every usable sample committed / generated), but dataset rows were skipped
+# Finished (every usable sample committed / generated), but dataset rows were skipped. Not 4: that
+# is a student's "a peer rank is gone"; no exit code means one thing for one tool and another for
+# the other (0 done, 1 failed, 2 config, 3 the other side gone, 4 a student's peer gone, 5 the live
+# probe, 6 rows skipped, 130 signal).
+EXIT_SKIPPED = 6
 EXIT_VERIFY = 5  # the live probe found a mismatch with teacher.verify_fail=stop (no END sent)
 
 
@@ -82,6 +87,8 @@ class Run:
     reason: str = ""
     journal_error: str | None = None  # the journal could not be read when the summary was written
     flow: Flow = field(default_factory=Flow)  # serve phases' flow counters (teacher/sizing.py)
+    pub: PublisherTotals = field(default_factory=PublisherTotals)  # every phase's Publisher counters
+    metrics: Any = None  # teacher.metrics.TeacherMetrics when teacher.metrics_port is set
 
     @property
     def spool_dir(self) -> Path:
@@ -164,6 +171,10 @@ class Run:
     def skipped(self) -> int:
         return len(self.bad_rows) + len(self.too_long)
 
+    def stats_path(self) -> Path:
+        """Where the generate phase's connector writes its Publisher's stats (teacher/metrics.py)."""
+        return Path(f"{self.cfg.journal}.publisher.json")
+
     def summary_path(self) -> Path:
         return Path(self.cfg.summary_path or f"{self.cfg.journal}.summary.json")
 
@@ -175,6 +186,7 @@ class Run:
         if rc == EXIT_OK and self.skipped:
             rc = EXIT_SKIPPED
             self.reason += f"; {self.skipped} rows skipped (see {self.skipped_path()})"
+        self.pub.phase = "done"
         st = self.state()
         summary = self.summary(rc, st)
         path = self.summary_path()
@@ -219,6 +231,7 @@ class Run:
             "skipped_file": str(self.skipped_path()),
             "verify": verify,
             "students_max": self.students_max,
+            "transport": self.pub.summary(),
             "sizing": sizing(self.flow, self.spool.readers, self.generated, self.generate_s),
             "interrupted": self.interrupted,
             "spool_dir": str(self.spool_dir),

@@ -383,19 +383,23 @@ def test_bad_rows_fail_one_line_each_before_vllm(assets, tmp_path):
     assert "Traceback" not in r.stderr and "EngineCore" not in r.stderr
 
 
-def test_skipped_rows_exit_4_with_the_skipped_file_and_summary(assets, tmp_path):
-    """on_bad_row=skip, on_too_long=skip: the run ends (skipped keys are not waited for), exit 4.
-    "good" is committed already, so no row needs vLLM."""
+def test_skipped_rows_exit_6_with_the_skipped_file_and_summary(assets, tmp_path):
+    """on_bad_row=skip, on_too_long=skip: the run ends (skipped keys are not waited for), exit 6
+    (not 4: a student's "peer rank gone"; no code means two things). "good" is committed already,
+    so no row needs vLLM."""
+    from student.train import EXIT_PEER_LOST, EXIT_TEACHER_GONE, EXIT_USER_ERROR
+
     _, model, _ = assets
     ds = _bad_rows_dataset(tmp_path)
     (tmp_path / "journal.txt").write_text("good\n")
     cfg = _config(tmp_path, model, ds, max_model_len=8, on_bad_row="skip", after_generation="exit")
     r = _run(cfg)
-    assert r.returncode == 4, r.stderr[-3000:]
+    assert r.returncode == 6, r.stderr[-3000:]
+    assert r.returncode not in (EXIT_USER_ERROR, EXIT_TEACHER_GONE, EXIT_PEER_LOST)
     assert "EngineCore" not in r.stderr and "Traceback" not in r.stderr
     assert "distill-teacher: skipped row 'long': " in r.stderr
     s = _summary(cfg)
-    assert (s["exit_code"], s["skipped"], s["skipped_bad_rows"], s["skipped_too_long"]) == (4, 5, 4, 1)
+    assert (s["exit_code"], s["skipped"], s["skipped_bad_rows"], s["skipped_too_long"]) == (6, 5, 4, 1)
     assert (s["total"], s["committed"], s["truncated"]) == (1, 1, 0)
     recs = [json.loads(x) for x in Path(s["skipped_file"]).read_text().splitlines()]
     assert s["skipped_file"] == str(tmp_path / "journal.txt.skipped.jsonl")
