@@ -348,9 +348,12 @@ def export(
     src = _open_source(fmt, Path(spool), out, teacher, aux_layers, layer_ids)
     plan, info = src.plan, src.info
     work = _work_dir(out)
-    writer = SpeculatorsWriter(work, plan) if fmt == "speculators" else SpecForgeWriter(work, plan, src.norm)
+    writer = None
     tally = _Tally()
-    try:
+    try:  # from here on a failure (the writer's own start included) leaves no .partial- folder
+        writer = (
+            SpeculatorsWriter(work, plan) if fmt == "speculators" else SpecForgeWriter(work, plan, src.norm)
+        )
         _convert(src, writer, tally, log, progress_every_s, t0)
         writer.finish(tally.token_freq)
         (work / KEYS_FILE).write_text("".join(f"{k}\n" for k in tally.keys))
@@ -363,7 +366,8 @@ def export(
             out.rmdir()  # empty (checked above)
         os.replace(work, out)
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         shutil.rmtree(work, ignore_errors=True)
         raise
     _after_notes(log, fmt, src, tally)

@@ -560,3 +560,22 @@ def test_teacher_serve_in_spool_mode_is_the_hidden_states_server_for_speculators
         torch.testing.assert_close(item["verifier_last_hidden_states"], ref[:, -1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(item["hidden_states"], ref[:, :-1].flatten(1), rtol=1e-5, atol=1e-5)
     assert not list_spool(srv_spool)  # speculators moved / deleted every file the server wrote
+
+
+def test_a_writer_that_cannot_start_leaves_no_partial_folder(tmp_path, monkeypatch):
+    """Creating the format's writer fails (a stand-in: the writer's constructor raises what a
+    missing pyarrow raises; in the field also a full or read-only disk): the export stops and
+    removes the `.partial-` folder it had made beside --out."""
+    import teacher.export as ex
+
+    good = tmp_path / "good"
+    _write(good, "a", [2, 4, 5, 8])
+
+    def broken(*_a, **_k):
+        raise ImportError("No module named 'pyarrow'")
+
+    monkeypatch.setattr(ex, "SpeculatorsWriter", broken)
+    with pytest.raises(ImportError):
+        ex.export("speculators", good, tmp_path / "out", progress_every_s=0)
+    left = [p.name for p in tmp_path.iterdir() if ".partial-" in p.name or p.name.startswith(".arrow-")]
+    assert left == [] and not (tmp_path / "out").exists(), left
