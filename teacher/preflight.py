@@ -34,6 +34,8 @@ def preflight(cfg: TeacherConfig) -> tuple[list[str], list[BadRow]]:
     keys, bad = check_dataset(cfg, report=report_bad_row, length=length)
     if cfg.idle_timeout_s is not None:
         log.warning("teacher.idle_timeout_s is deprecated and ignored (see teacher.student_wait_s)")
+    if cfg.connector_mode == "spool" and cfg.after_generation == "serve":
+        log.warning(SPOOL_THEN_SERVE, cfg.student_wait_s)
     return keys, bad
 
 
@@ -52,6 +54,14 @@ def check_staging(cfg: TeacherConfig) -> None:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+# connector_mode: spool spools everything, but after_generation: serve then waits for students.
+SPOOL_THEN_SERVE = (
+    "teacher.connector_mode is spool and teacher.after_generation is serve: once everything is "
+    "spooled this teacher serves the spool to students, waiting up to %.0fs (teacher.student_wait_s) "
+    "for them; to generate only, set teacher.after_generation=exit"
+)
 
 
 def check_journal_free(path: str, wait_s: float = 10.0) -> None:

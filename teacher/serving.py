@@ -179,12 +179,23 @@ class _Watch:
                 tail += f", students at {100 * f['ratio']:.0f}% of the teacher's rate"
         tail += f", ring full {st['shm_full']}x" if st.get("shm_full") else ""
         tail += f", no progress for {idle_s:.0f}s" if idle_s > 10 else ""
+        if students == 0:
+            tail += _no_student_hint(self.r.cfg)
         say(
             f"serving: committed {len(committed)}/{len(self.required)}, "
             f"in spool {len(list_spool(self.r.spool_dir))}, in flight {st.get('inflight', 0)}, "
             f"students {students}, {rate:.1f} samples/s, read ahead {st.get('read_ahead_ready', 0)}, "
             f"readers busy {100 * busy:.0f}%{tail}"
         )
+
+
+def _no_student_hint(cfg) -> str:
+    """The end of a progress line while no student is connected: how long it waits, how to stop."""
+    wait = f"exit 3 after {cfg.student_wait_s:.0f}s without any (teacher.student_wait_s)"
+    hint = f"; no student connected: {wait if cfg.student_wait_s else 'waiting for one'}; Ctrl-C or SIGTERM stops now (exit 130, the spool is kept)"
+    if cfg.connector_mode == "spool":
+        hint += "; to generate only, run with --set teacher.after_generation=exit"
+    return hint
 
 
 def _send_end(pub, transport, stop: Stop) -> None:
