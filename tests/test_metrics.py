@@ -21,12 +21,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import faults
 import pytest
 from faults import wait_until
+from scrape import one, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -89,31 +89,6 @@ def _run_file(tmp: Path, spooled, port: int, teacher: dict | None = None, **stud
         spool={"dir": str(spool)},
         student=faults.tiny_student(spooled["teacher"], tmp / "out", **student),
     )  # fmt: skip
-
-
-def scrape(port: int) -> dict | None:
-    """{name: {labels: value}} and {name: type} of one scrape, parsed by prometheus_client; None
-    when nothing answers."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return None
-    values: dict = {}
-    for fam in text_string_to_metric_families(text):
-        values.setdefault("__type__", {})[fam.name + ("_total" if fam.type == "counter" else "")] = fam.type
-        for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
-            values.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-            values.setdefault("__type__", {})[s.name] = fam.type
-    return values
-
-
-def one(m: dict, name: str, **labels) -> float:
-    return m[name][tuple(sorted((k, str(v)) for k, v in labels.items()))]
 
 
 def _env(**extra: str) -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 import faults
 import pytest
 import yaml
+from scrape import Scraper, one
 from waiting import wait_until
 
 from distill.config import ConfigError, TransportConfig
@@ -96,10 +97,19 @@ def test_no_student_spools_every_sample_and_resume_skips_done(assets, tmp_path):
     cfg = _config(tmp_path, model, data, after_generation="exit")
     spool = tmp_path / "spool"
 
-    r = _run(cfg, "teacher.max_samples=4")
+    # With teacher.metrics_port: the endpoint answers while vLLM generates, its counters coming
+    # from the engine's Publisher (the connector's stats file), and match the summary's.
+    port = faults.free_port()
+    scraper = Scraper(port)
+    scraper.start()
+    r = _run(cfg, "teacher.max_samples=4", f"teacher.metrics_port={port}")
+    seen = scraper.stop()
     assert r.returncode == 0, r.stderr[-3000:]
     s = _summary(cfg)
     assert (s["exit_code"], s["samples"], s["spooled"], s["committed"], s["total"]) == (0, 4, 4, 0, 4)
+    assert [m for m in seen if one(m, "distill_teacher_phase", phase="generate") == 1], len(seen)
+    assert max(one(m, "distill_samples_spooled_total") for m in seen) == 4  # no serve phase here
+    assert (s["transport"]["submitted"], s["transport"]["spooled"]) == (4, 4), s["transport"]
     assert s["tokens"] > 0 and [p["phase"] for p in s["phases"]] == ["generate"]
     assert "spooled 4" in r.stderr  # the human line
     files = list_spool(spool)
