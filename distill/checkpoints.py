@@ -6,6 +6,9 @@ read it from (this module imports neither torch nor Accelerate).
         ledger.json                  the ledger: {"step", "trained": [[key, rank, step], ...], "history"}
         .complete                    written once every rank's files are in
     <checkpoint_dir>/latest          the name of the newest complete step folder (replaced atomically)
+    <checkpoint_dir>/.step_0000012.partial/   a checkpoint being written: renamed to step_0000012 once
+                                     every rank's files and the ledger are in (never a `step_*` folder
+                                     before that); removed when a write fails, and by the next save
 """
 
 from __future__ import annotations

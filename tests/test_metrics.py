@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -191,6 +192,11 @@ def test_endpoints_scraped_during_and_at_the_end_match_the_summaries(spooled, tm
                 one(m, f"distill_{'samples_' if k != 'bytes_received' else ''}{k}_total", rank=r) == st[k]
             ), k
     assert sum(one(ends[r], "distill_samples_trained_total", rank=r) for r in (0, 1)) == N
+    # The shipped Grafana dashboard asks only for metrics these endpoints export.
+    board = (ROOT / "configs" / "grafana-distill.json").read_text()
+    exported = set(t["__type__"]) | set(ends[0]["__type__"])
+    asked = set(re.findall(r"distill_[a-z_]+", board)) - {"distill_stream"}
+    assert asked and asked <= exported, asked - exported
     print(
         f"teacher end scrape: sent {tr['sent']}, bytes {tr['bytes_sent']}, student wait {tr['student_idle_s']}s"
     )
