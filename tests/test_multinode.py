@@ -304,6 +304,10 @@ def _lost_node_row(procs, hosts, tmp_path, tiny_teacher, *, lost: str, how: str,
         assert len(lines) == 1, j.tail()
         assert "--set student.resume_from=latest" in lines[0], lines[0]
         print(f"{j.name}:", lines[0])
+        # accelerate launch exits 1: the node's own code and reason are in its metrics.json
+        m = json.loads((tmp_path / f"out-{j.name.removeprefix('students-')}" / "metrics.json").read_text())
+        assert (m["exit_code"], m["exit_reason"]) == (4, "peer_lost"), m
+        assert lines[0].endswith(m["exit_message"]), (lines[0], m["exit_message"])
     other = jobs[1 - gone]
     line = next(ln for ln in other.text().splitlines() if "student stopped:" in ln)
     assert f"lost rank {gone} on host" in line and hosts.addr[lost] in line, line
