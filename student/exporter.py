@@ -21,6 +21,16 @@ SOURCE_COUNTERS = {
 }
 
 
+def _stats(source) -> dict:
+    """The source's counters; copied while its I/O thread may add a key: tried again then."""
+    for _ in range(3):
+        try:
+            return source.stats()
+        except RuntimeError:  # dictionary changed size during iteration
+            continue
+    return {}
+
+
 class StudentMetrics:
     """The endpoint of one rank; `trainer` is set once training starts (student/loop.py)."""
 
@@ -40,7 +50,7 @@ class StudentMetrics:
 
     def read(self) -> list[Metric]:
         t, lab = self.trainer, (str(self.rank),)
-        stats = t.source.stats() if t is not None else {}
+        stats = _stats(t.source) if t is not None else {}
         hist = t.ledger.history if t is not None else []
 
         def one(kind: str, name: str, doc: str, value) -> Metric:
