@@ -26,6 +26,7 @@ from pathlib import Path
 
 import faults
 import pytest
+import zmq
 from faults import wait_until
 from scrape import one, scrape
 
@@ -111,7 +112,8 @@ def test_endpoints_scraped_during_and_at_the_end_match_the_summaries(spooled, tm
     tport, sport = faults.free_port(), faults.free_port()
     while sport + 1 == tport:
         sport = faults.free_port()
-    run = _run_file(tmp_path, spooled, faults.free_port(), {"metrics_port": tport}, metrics_port=sport)
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"
+    run = _run_file(tmp_path, spooled, int(ep.rsplit(":", 1)[1]), {"metrics_port": tport}, metrics_port=sport)
     held, release = tmp_path / "held-", tmp_path / "release"
     script = tmp_path / "held_student.py"
     script.write_text(_HELD_STUDENT)
@@ -136,6 +138,16 @@ def test_endpoints_scraped_during_and_at_the_end_match_the_summaries(spooled, tm
         )
 
     wait_until(flowing, 180, "samples trained on both ranks, seen on every endpoint", check=alive)
+    # A stranger's garbage reaches the teacher: counted by reason on its endpoint.
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(ep)
+    raw.send_multipart([b"\xc1\xc1\xc1"])
+
+    def garbage():
+        return (scrape(tport) or {}).get("distill_rejected_frames_total", {}).get((("reason", "garbage"),))
+
+    wait_until(garbage, 60, "the garbage counted on the teacher's endpoint", check=alive)
+    raw.close(0)
     t = seen["t"]
     types = t["__type__"]
     for name in ("distill_samples_committed_total", "distill_bytes_sent_total", "distill_student_wait_seconds_total",
@@ -181,6 +193,11 @@ def test_endpoints_scraped_during_and_at_the_end_match_the_summaries(spooled, tm
                     ("bytes_sent", "distill_bytes_sent_total"), ("replayed", "distill_samples_replayed_total")):  # fmt: skip
         assert tr[k] == one(t, name), (k, tr[k], one(t, name))
     assert tr["acked"] >= N and tr["bytes_sent"] > 0
+    assert (
+        tr["rejected_by_reason"]
+        == {"garbage": 1}
+        == {dict(k)["reason"]: v for k, v in t["distill_rejected_frames_total"].items()}
+    )
     assert abs(tr["student_idle_s"] - one(t, "distill_student_wait_seconds_total")) < 1.0
     assert met["exit_code"] == 0 and met["exit_reason"] == "done"
     for r in (0, 1):
@@ -299,3 +316,29 @@ def test_a_full_checkpoint_disk_is_one_line_and_leaves_no_half_checkpoint(spoole
     assert m["exit_message"] == lines[0].removeprefix("student error: ")
     # (the folders themselves vanished with the namespace's tmpfs: their names were listed inside)
     assert f"the newest complete one is {ckpt}/{sorted(steps)[-1]}" in lines[0], (lines[0], steps)
+
+
+def test_publisher_totals_add_up_phases_and_never_go_down():
+    """Each phase's Publisher counts from zero: the run's totals add the finished phases' last
+    counters to the live one's, so a counter scraped across the generate -> serve switch (the
+    stats file of vLLM's worker, then this process's Publisher) never goes down."""
+    from teacher.metrics import PublisherTotals
+
+    p = PublisherTotals()
+    gen = {"sent": 10, "bytes_sent": 100, "rejected_by_reason": {"garbage": 1}, "students": 2}
+    p.live("generate", lambda: gen)
+    assert p.snapshot()[0]["sent"] == 10 and p.phase == "generate"
+    p.live("generate", lambda: None)  # the stats file not written yet: the finished phases only
+    assert p.snapshot()[0].get("sent", 0) == 0
+    p.closed({**gen, "sent": 12, "bytes_sent": 120})  # the connector's last write, at close
+    serve = {"sent": 0, "bytes_sent": 0}
+    p.live("serve", lambda: serve)
+    seen = [p.snapshot()[0]["sent"]]
+    serve.update(sent=3, bytes_sent=30, rejected_by_reason={"garbage": 2, "version": 1})
+    seen.append(p.snapshot()[0]["sent"])
+    p.closed(serve)
+    seen.append(p.snapshot()[0]["sent"])
+    assert seen == [12, 15, 15]
+    s = p.summary()
+    assert (s["sent"], s["bytes_sent"], s["rejected"]) == (15, 150, 4)
+    assert s["rejected_by_reason"] == {"garbage": 3, "version": 1} and "students" not in s
