@@ -181,17 +181,16 @@ def save_checkpoint(
         for old in ckpt_dir.glob(".step_*.partial"):  # left by a run that died while saving
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
-    err = _attempt(lambda: accelerator.save_state(str(tmp)), accelerator)
+    err = attempt(lambda: accelerator.save_state(str(tmp)), accelerator)
     errs = gather_object([err]) if accelerator.num_processes > 1 else [err]
     if not any(errs) and saver:
-        err = _attempt(lambda: _complete(ckpt_dir, tmp, path, ledger), accelerator)
+        err = attempt(lambda: _complete(ckpt_dir, tmp, path, ledger), accelerator)
     errs = gather_object([err]) if accelerator.num_processes > 1 else [err]
     if any(errs):
         if saver:
             shutil.rmtree(tmp, ignore_errors=True)
         why = [e for e in errs if e][0]
-        full = any(w in why for w in ("No space left", "unexpected pos", "os error 28", "Disk quota"))
-        raise CheckpointError(_save_failed(ckpt_dir, path, why), full)
+        raise CheckpointError(_save_failed(ckpt_dir, path, why), f"checkpoint_{full_or_failed(why)}")
     if saver:
         logger.info("checkpoint %s (%d samples in the ledger)", path, len(ledger.trained))
         if keep:  # only after `latest` points at the new one
@@ -201,7 +200,13 @@ def save_checkpoint(
     return path
 
 
-def _attempt(fn, accelerator: Accelerator) -> str:
+def full_or_failed(why: str) -> str:
+    """ "disk_full" when `why` (an `attempt` line) says the disk was full, else "failed"."""
+    full = any(w in why for w in ("No space left", "unexpected pos", "os error 28", "Disk quota"))
+    return "disk_full" if full else "failed"
+
+
+def attempt(fn, accelerator: Accelerator) -> str:
     """Run `fn`; '' when it worked, else why (rank, host, the error) in one line. Any failure is
     caught so that every rank reaches the gather that follows (a disk error raised on one rank
     would otherwise leave the others waiting in a collective and blaming it as lost)."""
@@ -232,13 +237,17 @@ def _complete(ckpt_dir: Path, tmp: Path, path: Path, ledger: Ledger) -> None:
     point_latest(ckpt_dir, path)
 
 
+def room(folder: Path) -> str:
+    """' (F of T MB free)' of the filesystem holding `folder`, or ''."""
+    du = disk_room(folder)
+    return f" ({du[2]})" if du else ""
+
+
 def _save_failed(ckpt_dir: Path, path: Path, why: str) -> str:
-    du = disk_room(ckpt_dir)
-    room = f" ({du[2]})" if du else ""
     kept = latest(ckpt_dir)
     newest = f"the newest complete one is {kept}" if kept is not None else "there is no complete one yet"
     return (
-        f"cannot write checkpoint {path} (student.checkpoint_dir {ckpt_dir}{room}): {why}; nothing of "
+        f"cannot write checkpoint {path} (student.checkpoint_dir {ckpt_dir}{room(ckpt_dir)}): {why}; nothing of "
         f"it was kept, {newest}. Free space there or set student.checkpoint_dir to a larger disk, "
         f"then restart with --set student.resume_from=latest (the teacher sends what no checkpoint "
         f"covers again)"

@@ -11,11 +11,13 @@ class StudentError(RuntimeError):
 
 
 class CheckpointError(StudentError):
-    """A checkpoint could not be written (a full disk): nothing of it is kept, every rank stops."""
+    """A checkpoint (or the final model) could not be written, e.g. a full disk: nothing of it is
+    kept, every rank stops with the same line. `reason`: checkpoint_disk_full, checkpoint_failed,
+    output_disk_full or output_failed."""
 
-    def __init__(self, message: str, disk_full: bool = True):
+    def __init__(self, message: str, reason: str = "checkpoint_disk_full"):
         super().__init__(message)
-        self.reason = "checkpoint_disk_full" if disk_full else "checkpoint_failed"
+        self.reason = reason
 
 
 class TeacherGoneError(StudentError):

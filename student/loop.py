@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 
 from distill.protocol import Sample
-from student.checkpoint import flatten, save_checkpoint
+from student.checkpoint import attempt, flatten, full_or_failed, room, save_checkpoint
 from student.config import StudentConfig
 from student.data import (
     Batch,
@@ -59,6 +60,7 @@ from student.data import (
     select,
     unused_layers_hint,
 )
+from student.errors import CheckpointError
 from student.ledger import Ledger
 from student.metrics import StepMetrics, write_metrics
 from student.recipe import Built, compute_loss, save_model
@@ -469,20 +471,45 @@ class Trainer:
         }
         source_stats = gather_object([stats])  # one dict per rank
         acc.wait_for_everyone()
-        if acc.is_main_process:
-            out_dir = Path(self.cfg.output_dir)
-            save_model(acc, self.model, self.cfg, out_dir / "model")
-            write_metrics(out_dir / "metrics.json", self.ledger, self.world, source_stats)
-            logger.info(
-                "saved the student to %s (%d steps, %d samples)",
-                out_dir / "model",
-                self.step,
-                len(self.ledger.trained),
-            )
+        self.save_outputs(source_stats)
         # Leave together: a rank that destroys the process group while the main one is still saving
         # can leave the main one hanging at exit (seen with gloo).
         acc.wait_for_everyone()
         acc.end_training()
+
+    def save_outputs(self, source_stats: list[dict]) -> None:
+        """(Collective) The main process saves the student and metrics.json; a write that fails (a
+        full output disk) stops every rank with the same line, the half-written model removed."""
+        acc, out_dir = self.accelerator, Path(self.cfg.output_dir)
+        err = ""
+        if acc.is_main_process:
+            err = attempt(lambda: self._write_outputs(out_dir, source_stats), acc)
+            if err:
+                shutil.rmtree(out_dir / "model", ignore_errors=True)
+        errs = gather_object([err]) if self.world > 1 else [err]
+        why = next((e for e in errs if e), "")
+        if why:
+            ckpt = (
+                f"checkpoint {self.progress.ckpt}"
+                if self.progress.ckpt
+                else "no checkpoint (checkpoint_every is 0)"
+            )
+            raise CheckpointError(
+                f"cannot write the final student to {out_dir / 'model'} (student.output_dir {out_dir}"
+                f"{room(out_dir)}): {why}; the training is in {ckpt}. Free space there or set "
+                f"student.output_dir to a larger disk",
+                f"output_{full_or_failed(why)}",
+            )
+
+    def _write_outputs(self, out_dir: Path, source_stats: list[dict]) -> None:
+        save_model(self.accelerator, self.model, self.cfg, out_dir / "model")
+        write_metrics(out_dir / "metrics.json", self.ledger, self.world, source_stats)
+        logger.info(
+            "saved the student to %s (%d steps, %d samples)",
+            out_dir / "model",
+            self.step,
+            len(self.ledger.trained),
+        )
 
     def gather_ctl(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather a small int64 CPU tensor (same length on every rank) -> [world, len]."""

@@ -275,24 +275,19 @@ def test_spool_mode_serving_nobody_says_how_long_and_how_to_stop(spooled, tmp_pa
         assert "Ctrl-C or SIGTERM stops now" in x and "--set teacher.after_generation=exit" in x, x
 
 
-def test_a_full_checkpoint_disk_is_one_line_and_leaves_no_half_checkpoint(spooled, tmp_path, procs):
-    """student.checkpoint_dir on a real 3 MB tmpfs (a mount namespace of its own), two ranks
-    reading the spool offline, a checkpoint every step: the first checkpoints fit, a later one
-    does not. Every rank stops with the same one line naming the folder and the full disk (no
-    traceback, nobody blamed as lost), metrics.json says checkpoint_disk_full, and every step
-    folder left is complete (the failed one was written under a temporary name and removed)."""
+def _students_on_a_small_disk(spooled, tmp_path, procs, folder: Path, size: str, after: str, **student):
+    """Two ranks reading the spool offline with `folder` on a real tmpfs of `size` (a mount
+    namespace of its own); `after` runs there once they stopped. Returns (the output, the ranks'
+    `student error:` lines: one per rank, all the same, nothing else from the ranks: no
+    traceback, nobody blamed as lost)."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare to mount a small tmpfs in a mount namespace of its own")
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    run = _run_file(
-        tmp_path, spooled, faults.free_port(), mode="spool", checkpoint_every=1, checkpoint_keep=0,
-        checkpoint_dir=str(ckpt),
-    )  # fmt: skip
+    folder.mkdir()
+    run = _run_file(tmp_path, spooled, faults.free_port(), mode="spool", **student)
     launch = shlex.join(_launch(run, "student.py"))
     script = (
-        f"mount -t tmpfs -o size=3m tmpfs {ckpt} || exit 90; {launch}; echo RC=$?; ls -a {ckpt}; "
-        f"echo LISTED; ls {ckpt}/step_*/.complete; echo DONE"
+        f"mount -t tmpfs -o size={size} tmpfs {folder} || exit 90; {launch}; echo RC=$?; "
+        f"ls -a {folder}; echo LISTED; {after}; echo DONE"
     )
     p = procs.start("students", ["unshare", "-m", "--propagation", "private", "sh", "-c", script], _env())
     assert p.popen.wait(timeout=300) == 0, p.tail()
@@ -300,12 +295,36 @@ def test_a_full_checkpoint_disk_is_one_line_and_leaves_no_half_checkpoint(spoole
     assert "RC=1" in out, out[-4000:]  # accelerate launch: 1 whatever the ranks said
     lines = [x for x in out.splitlines() if x.startswith("student error: ")]
     assert len(lines) == 2 and lines[0] == lines[1], out[-4000:]  # every rank, the same line
-    assert f"cannot write checkpoint {ckpt}/step_" in lines[0] and "No space left on device" in lines[0], (
-        lines[0]
-    )
-    assert f"student.checkpoint_dir {ckpt} (" in lines[0] and "MB free)" in lines[0], lines[0]
     ranks = out.split(" failed (exitcode: ")[0]  # what the ranks printed (then torchrun's own report)
     assert "Traceback" not in ranks and "lost rank" not in ranks, ranks[-4000:]
+    assert "No space left on device" in lines[0], lines[0]
+    return out, lines
+
+
+def test_a_full_output_disk_is_one_line_and_leaves_no_half_model(spooled, tmp_path, procs):
+    """student.output_dir on a real 200 kB tmpfs, no checkpoints: the final student does not fit.
+    Every rank stops with the same one line naming the folder and the disk; no half-written
+    `model/` is left to be loaded as a good one."""
+    out_dir = tmp_path / "out"
+    out, lines = _students_on_a_small_disk(spooled, tmp_path, procs, out_dir, "200k", "true")
+    assert f"cannot write the final student to {out_dir}/model (student.output_dir {out_dir} (" in lines[0]
+    assert "no checkpoint (checkpoint_every is 0)" in lines[0], lines[0]
+    left = out.split("LISTED")[0].split("RC=1", 1)[1].split()
+    assert "model" not in left, left
+
+
+def test_a_full_checkpoint_disk_is_one_line_and_leaves_no_half_checkpoint(spooled, tmp_path, procs):
+    """student.checkpoint_dir on a real 3 MB tmpfs, a checkpoint every step: the first checkpoints fit, a later one
+    does not. Every rank stops with the same one line naming the folder and the full disk (no
+    traceback, nobody blamed as lost), metrics.json says checkpoint_disk_full, and every step
+    folder left is complete (the failed one was written under a temporary name and removed)."""
+    ckpt = tmp_path / "ckpt"
+    out, lines = _students_on_a_small_disk(
+        spooled, tmp_path, procs, ckpt, "3m", f"ls {ckpt}/step_*/.complete",
+        checkpoint_every=1, checkpoint_keep=0, checkpoint_dir=str(ckpt),
+    )  # fmt: skip
+    assert f"cannot write checkpoint {ckpt}/step_" in lines[0], lines[0]
+    assert f"student.checkpoint_dir {ckpt} (" in lines[0] and "MB free)" in lines[0], lines[0]
     left = out.split("LISTED")[0].split("RC=1", 1)[1].split()
     steps = [n for n in left if n.startswith("step_")]
     assert steps and not [n for n in left if n.endswith(".partial")], left
