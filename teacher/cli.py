@@ -81,6 +81,7 @@ from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_f
 from distill.journal import JournalError, OwnerLock
 from distill.metrics import check_port_free
 from distill.spool import SPOOL_FULL_ADVICE, disk_room, spool_bytes
+from teacher import reaper
 from teacher.config import TeacherConfig, load_teacher_config, model_dtype
 from teacher.data import BadRow
 from teacher.engine import EngineDied
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     try:  # ours from here to the exit: no other distill-teacher runs on this journal meanwhile
+        reaper.clean_leftovers(cfg.journal)  # engine processes and /dev/shm files of a dead teacher
         return checked_run(cfg, runfile, command)
     finally:
         owner.release()

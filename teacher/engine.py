@@ -35,11 +35,23 @@ def _worker_shutdown_timeout(drain_timeout_s: float) -> None:
         os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(need)
 
 
+_REAPER: list = []  # this process's engine reaper (teacher/reaper.py), started once
+
+
+def _start_reaper(journal: str) -> None:
+    """The engine processes vLLM is about to start die with this process (teacher/reaper.py)."""
+    if not _REAPER:
+        from teacher import reaper
+
+        _REAPER.append(reaper.start(journal))
+
+
 def build_llm(cfg: TeacherConfig, conn: ConnectorConfig):
     """The vLLM engine with extraction and our connector (spawns the engine processes)."""
     if cfg.cpu_kvcache_space_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gib)
     _worker_shutdown_timeout(conn.drain_timeout_s)
+    _start_reaper(cfg.journal)
     from vllm import LLM
 
     args = dict(
