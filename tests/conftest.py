@@ -7,6 +7,8 @@ tiny_teacher   a tiny random Qwen3 teacher (hidden 128, 4 layers, vocab 1024), b
 netns_hosts    a function: netns_hosts(["t", "s0"]) -> tests/faults.Hosts (network namespaces on one
                bridge); skips the test, with the reason, where namespaces cannot be made; at teardown
                every process of `procs` is killed first, then the namespaces are deleted
+chaos_seed     the seeds of tests/test_chaos.py: CHAOS_CI_SEEDS, or `--chaos-seed S` (repeatable; env
+               CHAOS_SEED=S[,S2]) to replay a schedule, or `--chaos-seeds N` for N random seeds
 """
 
 from __future__ import annotations
@@ -68,3 +70,40 @@ def tiny_teacher(tmp_path_factory) -> Path:
         vocab_size=1024,
         seed=0,
     )
+
+
+# Seeded chaos (tests/test_chaos.py): which seeds run.
+CHAOS_CI_SEEDS = [1, 2]
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("chaos", "seeded chaos (tests/test_chaos.py)")
+    group.addoption(
+        "--chaos-seed",
+        type=int,
+        action="append",
+        default=[],
+        help="replay this seed's fault schedule (repeatable; also env CHAOS_SEED)",
+    )
+    group.addoption(
+        "--chaos-seeds",
+        type=int,
+        default=0,
+        help="run N random seeds (each printed) instead of the CI seeds",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    if "chaos_seed" not in metafunc.fixturenames:
+        return
+    import os
+    import random
+
+    seeds = list(metafunc.config.getoption("chaos_seed"))
+    if not seeds and os.environ.get("CHAOS_SEED"):
+        seeds = [int(x) for x in os.environ["CHAOS_SEED"].split(",")]
+    n = metafunc.config.getoption("chaos_seeds")
+    if not seeds and n:
+        rng = random.SystemRandom()
+        seeds = [rng.randrange(1, 1_000_000) for _ in range(n)]
+    metafunc.parametrize("chaos_seed", seeds or CHAOS_CI_SEEDS, ids=lambda s: f"seed{s}")
