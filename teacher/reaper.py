@@ -8,12 +8,13 @@ would then find its GPU memory taken and its endpoint in use.
 
 The reaper: `distill-teacher` starts `python -m teacher.reaper <teacher pid> <record>` right before
 vLLM. While the teacher lives it notes, every `POLL_S`, the teacher's descendants (pid and start
-time) and the /dev/shm files they map (by inode), in `<journal>.engine.json` (atomic rewrite). When its
-parent is gone (any exit, SIGKILL included) it kills every noted process still running (same pid
-and start time), removes the noted /dev/shm files, deletes the record and exits. Where the reaper
-died with the teacher (a whole process tree or group killed at once), the next `distill-teacher` on
-the same journal does the same from the record at its start (`clean_leftovers`, after taking
-`<journal>.lock`: the earlier teacher is dead then). One log line says what was cleaned.
+time) and the /dev/shm files they map (by inode), in `<journal>.engine.json` (atomic rewrite). When
+its parent is gone (any exit, SIGKILL included) it gives the noted processes `GRACE_S` to end by
+themselves, kills the ones still running (same pid and start time), removes the noted /dev/shm
+files, deletes the record and exits. Where the reaper died with the teacher (a whole process tree
+or group killed at once), the next `distill-teacher` on the same journal does the same from the
+record at its start (`clean_leftovers`, after taking `<journal>.lock`: the earlier teacher is dead
+then). One log line says what was cleaned.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import psutil
 log = logging.getLogger("distill.teacher")
 
 POLL_S = 0.25
+GRACE_S = 2.0  # after the teacher's death, before killing what it left running
 SHM_DIR = "/dev/shm"
 SHM_PREFIXES = ("psm_", "sem.")  # Python multiprocessing: SharedMemory segments, named semaphores
 
@@ -73,9 +75,10 @@ def _write(record: Path, data: dict) -> None:
     os.replace(tmp, record)
 
 
-def clean(data: dict, skip_pid: int | None = None) -> tuple[list[int], list[str], int]:
-    """Kill the recorded processes still running (same pid and start time), then remove the
-    recorded shared-memory files. Returns (pids killed, files removed, bytes freed)."""
+def clean(data: dict, skip_pid: int | None = None, grace_s: float = 0.0) -> tuple[list[int], list[str], int]:
+    """Kill the recorded processes still running (same pid and start time) after `grace_s` (time
+    to end by themselves: Python's resource tracker ends on its own once its clients are gone),
+    then remove the recorded shared-memory files. Returns (pids killed, files removed, bytes)."""
     victims = []
     for pid, created in data.get("procs", []):
         if pid == skip_pid:
@@ -84,6 +87,8 @@ def clean(data: dict, skip_pid: int | None = None) -> tuple[list[int], list[str]
             p = psutil.Process(pid)
             if abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
                 victims.append(p)
+    if victims and grace_s > 0:
+        _, victims = psutil.wait_procs(victims, timeout=grace_s)
     for p in victims:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGKILL)
@@ -164,7 +169,8 @@ def watch(teacher: int, record: Path) -> int:
                 written = data
         time.sleep(POLL_S)
     # The teacher is gone (a normal exit leaves nothing to kill: its engine shut down before it).
-    pids, removed, freed = clean({"procs": sorted(procs.items()), "shm": sorted(shm)}, skip_pid=me)
+    data = {"procs": sorted(procs.items()), "shm": sorted(shm)}
+    pids, removed, freed = clean(data, skip_pid=me, grace_s=GRACE_S)
     with contextlib.suppress(OSError):
         record.unlink()
     if pids or removed:

@@ -40,6 +40,7 @@ HB = 3.0  # transport.heartbeat_timeout_s
 
 TEACHER_CODES = {0, 1, 3}  # done, engine died, students gone (README "Exit codes")
 STUDENT_CODES = {0, 3, 4}  # done, teacher gone, a peer rank gone
+ORPHAN_S = 10.0  # a SIGKILLed teacher's engine processes and /dev/shm files are gone within this
 
 
 @dataclasses.dataclass
@@ -123,8 +124,9 @@ def run_file(tmp: Path, teacher_model: Path, n: int, port: int) -> tuple[Path, s
 class Chaos:
     """One schedule against one run; `events` is what happened (printed with any failure)."""
 
-    def __init__(self, procs: Procs, tmp: Path, run: Path, expected: set[str]):
+    def __init__(self, procs: Procs, tmp: Path, run: Path, expected: set[str], ranks: int = 2):
         self.procs, self.tmp, self.run_path, self.expected = procs, tmp, run, expected
+        self.n_ranks = ranks
         self.events: list[str] = []
         self.t0 = time.monotonic()
         self.teacher: Proc | None = None
@@ -132,6 +134,7 @@ class Chaos:
         self.teacher_done = self.students_done = False
         self.killed: set[int] = set()  # pids of launcher / teacher processes whose tree we killed
         self.n_teacher = self.n_students = 0
+        self.orphans: list[tuple] = []  # (due, teacher name, its tree at the kill, its /dev/shm files)
 
     def note(self, what: str) -> None:
         self.events.append(f"{time.monotonic() - self.t0:6.1f}s {what}")
@@ -151,7 +154,7 @@ class Chaos:
 
     def start_students(self, resume: bool) -> None:
         self.n_students += 1
-        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(self.n_ranks)]
         cmd += ["--main_process_port", str(faults.free_port()), "student.py", "--config", str(self.run_path)]
         if resume:
             cmd += ["--set", "student.resume_from=latest"]
@@ -160,8 +163,28 @@ class Chaos:
         self.note(f"start students{self.n_students}{' (resume_from=latest)' if resume else ''}")
 
     # -- the user's rules -------------------------------------------------------------------
+    def check_orphans(self, final: bool = False) -> None:
+        """A killed teacher's processes and /dev/shm files are gone within ORPHAN_S of the kill
+        (polled on every tick; `final`: polls until each is due)."""
+        for item in list(self.orphans):
+            due, name, tree, shm = item
+            while True:
+                left, files = faults.running(tree[1:]), faults.still_there(shm)
+                if not left and not files:
+                    self.orphans.remove(item)
+                    break
+                if time.monotonic() > due:
+                    raise AssertionError(
+                        f"{ORPHAN_S:.0f} s after {name} was SIGKILLed: its processes still run {left}, "
+                        f"its /dev/shm files are still there {files}"
+                    )
+                if not final:
+                    break
+                time.sleep(0.2)
+
     def tick(self) -> None:
         """Restart whatever ended, as README says; fail on an exit no rule covers."""
+        self.check_orphans()
         t, s = self.teacher, self.students
         if t is not None and not self.teacher_done and not t.alive():
             rc = t.poll()
@@ -203,23 +226,27 @@ class Chaos:
 
     # -- faults ------------------------------------------------------------------------------
     def inject(self, f: Fault) -> None:
-        t, s = self.teacher, self.students
-        if f.target.startswith("rank"):
-            ranks = s.ranks() if s is not None and s.alive() else {}
-            r = ranks.get(int(f.target[-1]))
+        if f.target.startswith("rank"):  # at the first moment it exists (ranks start in ~15 s)
+            r = self.rank(int(f.target[-1]), wait_s=60)
             victims = rank_tree(r) if r is not None else []
-        elif f.target == "engine":
-            core = t.engine_core() if t is not None and t.alive() else None
+        elif f.target == "engine":  # at the first moment it exists (vLLM's start-up takes ~20 s)
+            core = self.engine_core(wait_s=60)
             victims = rank_tree(core) if core is not None else []
         elif f.target == "teacher":  # the distill-teacher process alone, as `kill -9 <pid>` does
+            t = self.teacher
             victims = t.tree()[:1] if t is not None and t.alive() else []
         else:
+            t = self.teacher
             victims = t.tree() if t is not None and t.alive() else []
+        t, s = self.teacher, self.students
         if not victims:
             self.note(f"fault {f}: no such process now, skipped")
             return
         self.note(f"fault {f} (pids {[p.pid for p in victims]})")
         if f.kind == "kill":
+            if f.target == "teacher":  # what it started must go with it (teacher/reaper.py)
+                tree = t.tree()
+                self.orphans.append((time.monotonic() + ORPHAN_S, t.name, tree, faults.dev_shm_of(tree)))
             faults.signal_all(victims, signal.SIGKILL)
             if f.target == "teacher":
                 self.killed.add(t.pid)
@@ -231,6 +258,28 @@ class Chaos:
             self.wait(f.stop_s)
         finally:
             faults.thaw(victims)
+
+    def engine_core(self, wait_s: float):
+        """The current teacher's engine core, waiting for it up to `wait_s` (restarts go on)."""
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and not self.teacher_done:
+            t = self.teacher
+            core = t.engine_core() if t is not None and t.alive() else None
+            if core is not None:
+                return core
+            self.wait(0.2)
+        return None
+
+    def rank(self, r: int, wait_s: float):
+        """Rank r's process of the current student job, waiting for it up to `wait_s`."""
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and not self.students_done:
+            s = self.students
+            proc = s.ranks().get(r) if s is not None and s.alive() else None
+            if proc is not None:
+                return proc
+            self.wait(0.2)
+        return None
 
     def run(self, sched: list[Fault], timeout_s: float = 420) -> None:
         self.start_teacher()
@@ -247,6 +296,7 @@ class Chaos:
                 raise AssertionError(f"the run did not finish within {timeout_s:.0f}s of the last fault")
             self.wait(0.5)
         self.note("both ended")
+        self.check_orphans(final=True)
 
     # -- the end, from the processes' own records ---------------------------------------------
     def check(self) -> dict:

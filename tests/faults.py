@@ -217,6 +217,36 @@ class Proc:
         return codes[0] if codes else rc
 
 
+def dev_shm_of(procs: list[psutil.Process]) -> dict[int, str]:
+    """{inode: name} of the Python multiprocessing files in /dev/shm (`psm_*` segments, `sem.*`
+    semaphores) these processes map (a semaphore is mapped under a temporary name: inodes match)."""
+    inodes = set()
+    for p in procs:
+        with contextlib.suppress(OSError, psutil.Error, ValueError):
+            for line in Path(f"/proc/{p.pid}/maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                    inodes.add(int(parts[4]))
+    with os.scandir("/dev/shm") as it:
+        return {e.inode(): e.name for e in it if e.name.startswith(("psm_", "sem.")) and e.inode() in inodes}
+
+
+def still_there(files: dict[int, str]) -> list[str]:
+    """Those of `files` ({inode: name}, from dev_shm_of) still in /dev/shm."""
+    with os.scandir("/dev/shm") as it:
+        return sorted(e.name for e in it if files.get(e.inode()) == e.name)
+
+
+def running(procs: list[psutil.Process]) -> list[str]:
+    """'pid name' of those of `procs` still running (zombies count as ended)."""
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {p.name()}")
+    return out
+
+
 def alive_or_fail(*procs: Proc):
     """A `wait_until` check: fails with the log tail of the first of `procs` that has ended."""
 

@@ -59,38 +59,13 @@ def _run_file(tmp: Path, model: Path, n: int = 16) -> tuple[Path, list[str]]:
     return run, keys
 
 
-def _shm_of(procs: list[psutil.Process]) -> dict[int, str]:
-    """{inode: name} of the multiprocessing files in /dev/shm (psm_*, sem.*) these processes map."""
-    inodes = set()
-    for p in procs:
-        with contextlib.suppress(OSError, psutil.Error):
-            for line in Path(f"/proc/{p.pid}/maps").read_text().splitlines():
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].startswith(SHM + "/"):
-                    inodes.add(int(parts[4]))
-    return {
-        e.inode(): e.name
-        for e in os.scandir(SHM)
-        if e.name.startswith(("psm_", "sem.")) and e.inode() in inodes
-    }
-
-
 def _engine_started(teacher: faults.Proc) -> tuple[list[psutil.Process], dict[int, str]] | None:
     """The teacher's descendants and their /dev/shm files, once the engine core maps a segment."""
     kids = teacher.tree()[1:]
     if teacher.engine_core() is None:
         return None
-    shm = _shm_of(kids)
+    shm = faults.dev_shm_of(kids)
     return (kids, shm) if any(n.startswith("psm_") for n in shm.values()) else None
-
-
-def _alive(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} {p.name()}")
-    return out
 
 
 def test_teacher_killed_during_engine_start_takes_engine_and_shm_with_it(procs, tmp_path, tiny_teacher):
@@ -108,10 +83,12 @@ def test_teacher_killed_during_engine_start_takes_engine_and_shm_with_it(procs, 
         with contextlib.suppress(psutil.Error):
             kids += [c for c in p.children(recursive=True) if c not in kids]
     try:
-        wait_until(lambda: not _alive(kids), 20, "the killed teacher's engine processes to end")
+        wait_until(lambda: not faults.running(kids), 20, "the killed teacher's engine processes to end")
     except AssertionError:
-        raise AssertionError(f"still running 20 s after distill-teacher was killed: {_alive(kids)}") from None
-    left = [n for ino, n in shm.items() if any(e.inode() == ino for e in os.scandir(SHM) if e.name == n)]
+        raise AssertionError(
+            f"still running 20 s after distill-teacher was killed: {faults.running(kids)}"
+        ) from None
+    left = faults.still_there(shm)
     assert not left, f"/dev/shm files of the dead teacher's engine left behind: {left}"
 
 
@@ -134,14 +111,14 @@ def test_whole_tree_killed_the_next_start_removes_what_it_left_in_dev_shm(procs,
     )
     procs.kill(teacher)  # every process of the tree at once: nobody is left to clean up
     assert shm, "no shared-memory files were seen"
-    left = {e.name for e in os.scandir(SHM) if e.inode() in shm}
+    left = faults.still_there(shm)
     assert left, f"the kill left nothing in /dev/shm ({shm}): this test no longer shows the leak"
     # The same command again, on a journal where every key is committed: no vLLM start needed.
     (tmp_path / "journal.txt").write_text("".join(k + "\n" for k in keys))
     again = procs.start("teacher2", [str(BIN / "distill-teacher"), "--config", str(run)], env=_env())
     rc = again.wait(120)
     assert rc == 0, again.tail()
-    still = {e.name for e in os.scandir(SHM) if e.inode() in shm and e.name in left}
+    still = faults.still_there(shm)
     assert not still, (
         f"the next start left the dead teacher's /dev/shm files: {sorted(still)}\n{again.tail()}"
     )
