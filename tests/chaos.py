@@ -5,7 +5,8 @@ README.md tells a user, and the end checked from the processes' own records.
     sched = schedule(seed)          # the same seed, the same schedule (faults, targets, moments)
     Chaos(procs, tmp, ...).run(sched)
 
-Faults: SIGKILL of the `distill-teacher` process alone (its vLLM engine processes are left to it),
+Faults: SIGKILL of the `distill-teacher` process alone (its vLLM engine processes are left to it;
+`teacher@engine`: at the first moment its engine core exists),
 SIGKILL of vLLM's engine core, SIGSTOP of the teacher's whole tree or of one rank's tree for a
 random time (sometimes past `transport.heartbeat_timeout_s`), SIGKILL of one rank's tree. Each comes
 a random delay after the previous one ended (the first: after the teacher's start, so it may land
@@ -47,7 +48,7 @@ ORPHAN_S = 10.0  # a SIGKILLed teacher's engine processes and /dev/shm files are
 class Fault:
     delay_s: float  # after the previous fault ended (the first: after the teacher's start)
     kind: str  # "kill" | "stop"
-    target: str  # "teacher" | "engine" | "teacher-tree" | "rank0" | "rank1"
+    target: str  # "teacher" | "teacher@engine" | "engine" | "teacher-tree" | "rank0" | "rank1"
     stop_s: float = 0.0
 
     def __str__(self) -> str:
@@ -63,8 +64,15 @@ def schedule(seed: int, n_faults: tuple[int, int] = (2, 3), max_delay_s: float =
     for i in range(rng.randint(*n_faults)):
         delay = round(rng.uniform(1.0, 35.0 if i == 0 else max_delay_s), 1)
         choice = rng.choices(
-            ["kill teacher", "kill engine", "stop teacher-tree", "kill rank", "stop rank"],
-            weights=[3, 2, 2, 2, 3],
+            [
+                "kill teacher",
+                "kill teacher@engine",
+                "kill engine",
+                "stop teacher-tree",
+                "kill rank",
+                "stop rank",
+            ],
+            weights=[2, 2, 2, 2, 2, 3],
         )[0]
         kind, target = choice.split()
         if target == "rank":
@@ -80,8 +88,8 @@ def describe(seed: int, sched: list[Fault]) -> str:
 
 def run_file(tmp: Path, teacher_model: Path, n: int, port: int) -> tuple[Path, set[str]]:
     """Dataset of n rows (8 texts) and the run file: a tiny vLLM teacher paced to the students (a
-    256 KiB memory budget and spool limit keep the engine generating while they train), students
-    checkpointing every 4 steps."""
+    512 KiB memory budget and spool limit, about 10 samples each, keep the engine generating while
+    they train; 1 s engine drain), students checkpointing every 4 steps."""
     from distill.tiny import write_tiny_dataset
 
     base = write_tiny_dataset(tmp / "base.jsonl", 8, seed=3, min_words=5, max_words=30)
@@ -101,9 +109,9 @@ def run_file(tmp: Path, teacher_model: Path, n: int, port: int) -> tuple[Path, s
             "teacher_wait_s": 90,
             "shm_dir": str(tmp),
             "shm_bytes": 16 << 20,
-            "max_buffer_bytes": 256 << 10,
+            "max_buffer_bytes": 512 << 10,
         },
-        spool={"dir": str(tmp / "spool"), "max_bytes": 256 << 10},
+        spool={"dir": str(tmp / "spool"), "max_bytes": 512 << 10},
         student=faults.tiny_student(teacher_model, tmp / "out", checkpoint_every=4),
         teacher={
             "model": str(teacher_model),
@@ -116,6 +124,7 @@ def run_file(tmp: Path, teacher_model: Path, n: int, port: int) -> tuple[Path, s
             "window": 4,
             "journal": str(tmp / "journal.txt"),
             "student_wait_s": 60,
+            "drain_timeout_s": 1,
         },
     )
     return run, set(keys)
@@ -232,6 +241,10 @@ class Chaos:
         elif f.target == "engine":  # at the first moment it exists (vLLM's start-up takes ~20 s)
             core = self.engine_core(wait_s=60)
             victims = rank_tree(core) if core is not None else []
+        elif f.target.startswith("teacher@"):  # distill-teacher alone, once its engine core exists
+            core = self.engine_core(wait_s=60)
+            t = self.teacher
+            victims = t.tree()[:1] if core is not None and t.alive() else []
         elif f.target == "teacher":  # the distill-teacher process alone, as `kill -9 <pid>` does
             t = self.teacher
             victims = t.tree()[:1] if t is not None and t.alive() else []
@@ -244,11 +257,11 @@ class Chaos:
             return
         self.note(f"fault {f} (pids {[p.pid for p in victims]})")
         if f.kind == "kill":
-            if f.target == "teacher":  # what it started must go with it (teacher/reaper.py)
+            if f.target.startswith("teacher"):  # what it started must go with it (teacher/reaper.py)
                 tree = t.tree()
                 self.orphans.append((time.monotonic() + ORPHAN_S, t.name, tree, faults.dev_shm_of(tree)))
             faults.signal_all(victims, signal.SIGKILL)
-            if f.target == "teacher":
+            if f.target.startswith("teacher"):
                 self.killed.add(t.pid)
             elif f.target.startswith("rank"):
                 self.killed.add(s.pid)
