@@ -313,6 +313,7 @@ class Chaos:
 
     # -- the end, from the processes' own records ---------------------------------------------
     def check(self) -> dict:
+        faults.ended_by_itself(self.procs, timeout=30)  # the teacher's reaper ends ~2 s after it
         out = self.tmp / "out"
         t = tally(out / "metrics.json", self.expected)
         summary = json.loads((self.tmp / "journal.txt.summary.json").read_text())
@@ -334,5 +335,4 @@ class Chaos:
         )
         assert committed >= self.expected, line
         assert not any(leftovers.values()), f"{line}; left behind: {leftovers}"
-        faults.ended_by_itself(self.procs, timeout=30)
         return {**t, "summary_exit": summary["exit_code"], "line": line}
