@@ -43,6 +43,7 @@ def _start_reaper(journal: str) -> None:
     if not _REAPER:
         from teacher import reaper
 
+        os.environ[reaper.MARK] = str(os.getpid())  # inherited by every engine process
         _REAPER.append(reaper.start(journal))
 
 

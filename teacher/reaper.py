@@ -9,8 +9,9 @@ would then find its GPU memory taken and its endpoint in use.
 The reaper: `distill-teacher` starts `python -m teacher.reaper <teacher pid> <record>` right before
 vLLM. While the teacher lives it notes, every `POLL_S`, the teacher's descendants (pid and start
 time) and the /dev/shm files they map (by inode), in `<journal>.engine.json` (atomic rewrite). When
-its parent is gone (any exit, SIGKILL included) it gives the noted processes `GRACE_S` to end by
-themselves, kills the ones still running (same pid and start time), removes the noted /dev/shm
+its parent is gone (any exit, SIGKILL included) it adds the processes that carry the teacher's pid
+in their environment (`MARK`, set before vLLM starts: born after the last look, or already
+reparented), gives them all `GRACE_S` to end by themselves, kills the ones still running (same pid and start time), removes the noted /dev/shm
 files, deletes the record and exits. Where the reaper died with the teacher (a whole process tree
 or group killed at once), the next `distill-teacher` on the same journal does the same from the
 record at its start (`clean_leftovers`, after taking `<journal>.lock`: the earlier teacher is dead
@@ -35,6 +36,9 @@ log = logging.getLogger("distill.teacher")
 
 POLL_S = 0.25
 GRACE_S = 2.0  # after the teacher's death, before killing what it left running
+# Set in distill-teacher's environment before vLLM starts: every engine process inherits it, so a
+# process born after the reaper's last look (or reparented once the teacher died) is still found.
+MARK = "DISTILL_TEACHER_PID"
 SHM_DIR = "/dev/shm"
 SHM_PREFIXES = ("psm_", "sem.")  # Python multiprocessing: SharedMemory segments, named semaphores
 
@@ -67,6 +71,23 @@ def shm_files(inodes) -> list[os.DirEntry]:
             return [e for e in it if e.name.startswith(SHM_PREFIXES) and e.inode() in want]
     except OSError:
         return []
+
+
+def marked(teacher: int, skip_pid: int | None = None) -> dict[int, float]:
+    """{pid: start time} of the running processes whose environment names `teacher` in MARK
+    (started after it: never an older process that happens to carry the value)."""
+    try:
+        born = psutil.Process(teacher).create_time()
+    except psutil.Error:
+        born = 0.0  # the teacher is gone: its pid and start time are not needed to match its mark
+    out = {}
+    for p in psutil.process_iter(["pid"]):
+        if p.pid in (skip_pid, os.getpid()):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(MARK) == str(teacher) and p.create_time() >= born:
+                out[p.pid] = p.create_time()
+    return out
 
 
 def _write(record: Path, data: dict) -> None:
@@ -123,6 +144,9 @@ def clean_leftovers(journal: str | os.PathLike) -> str | None:
         data = json.loads(record.read_text())
     except (OSError, ValueError):
         return None
+    if isinstance(data.get("teacher"), int) and not psutil.pid_exists(data["teacher"]):
+        extra = marked(data["teacher"])  # processes the dead reaper never saw
+        data["procs"] = sorted({**dict(map(tuple, data.get("procs", []))), **extra}.items())
     pids, removed, freed = clean(data)
     with contextlib.suppress(OSError):
         record.unlink()
@@ -169,6 +193,13 @@ def watch(teacher: int, record: Path) -> int:
                 written = data
         time.sleep(POLL_S)
     # The teacher is gone (a normal exit leaves nothing to kill: its engine shut down before it).
+    # Its processes born since the last look carry its mark in their environment.
+    for pid, created in marked(teacher, skip_pid=me).items():
+        procs.setdefault(pid, created)
+    for pid, created in procs.items():  # what each maps now (segments made since the last look)
+        with contextlib.suppress(psutil.Error):
+            if abs(psutil.Process(pid).create_time() - created) < 0.01:  # not a reused pid
+                shm |= mapped_shm(pid)
     data = {"procs": sorted(procs.items()), "shm": sorted(shm)}
     pids, removed, freed = clean(data, skip_pid=me, grace_s=GRACE_S)
     with contextlib.suppress(OSError):

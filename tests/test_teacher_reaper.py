@@ -88,6 +88,9 @@ def test_teacher_killed_during_engine_start_takes_engine_and_shm_with_it(procs, 
         raise AssertionError(
             f"still running 20 s after distill-teacher was killed: {faults.running(kids)}"
         ) from None
+    # The reaper removes the files once it has killed what ran on: poll (bounded), never one look.
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not faults.still_there(shm), 15, "the dead teacher's /dev/shm files to go")
     left = faults.still_there(shm)
     assert not left, f"/dev/shm files of the dead teacher's engine left behind: {left}"
 
