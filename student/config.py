@@ -112,6 +112,10 @@ class StudentConfig(Strict):
     max_tokens_per_batch: int = Field(4096, gt=0)
     # Optional cap on samples per micro-batch.
     max_samples_per_batch: int | None = Field(None, gt=0)
+    # Samples held to group by length: each micro-batch is the oldest held sample plus the held
+    # samples closest to it in length (less padding). 0 or 1: batches in arrival order. In stream
+    # mode at most half the credit window (transport.credit_samples x teachers).
+    length_window: int = Field(32, ge=0)
     # A partial batch is trained once no sample arrived for this long (stream mode).
     idle_flush_s: float = Field(1.0, gt=0)
     # Pad each micro-batch's length up to a multiple of this (fewer distinct shapes for kernels

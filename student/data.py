@@ -427,17 +427,25 @@ def empty_batch(layer_ids: list[int], hidden_size: int) -> Batch:
 
 
 class TokenBudgetBatcher:
-    """Groups samples in arrival order so that batch_size x longest sample <= max_tokens.
+    """Groups samples so that batch_size x longest sample <= max_tokens.
 
-    `push` returns a full batch when the new sample does not fit (the sample then starts the next
-    batch); `flush` returns whatever is pending. A sample longer than the budget forms a batch alone.
+    With `window` 0 or 1, batches are cut in arrival order: `push` returns a full batch when the new
+    sample does not fit (the sample then starts the next batch), `flush` returns whatever is pending.
+
+    With `window` W > 1, up to W samples are held (`pending`) and a batch is taken from them by
+    length: the oldest pending sample and, closest in length first, the others that fit the budget.
+    `push` returns such a batch once W samples are held; `flush` takes one batch (possibly leaving
+    samples pending for the next). The oldest sample is in every batch taken, so none waits for more
+    than W / (batch size) batches, and padding shrinks: a batch holds samples of similar lengths.
+    A sample longer than the budget forms a batch alone either way.
     """
 
-    def __init__(self, max_tokens: int, max_samples: int | None = None):
+    def __init__(self, max_tokens: int, max_samples: int | None = None, window: int = 0):
         self.max_tokens = max_tokens
         self.max_samples = max_samples
-        self.pending: list[Sample] = []  # samples of the batch being filled, in arrival order
-        self._longest = 0  # longest pending sample, in tokens
+        self.window = window if window > 1 else 0  # 0: arrival order
+        self.pending: list[Sample] = []  # samples not yet in a batch, in arrival order
+        self._longest = 0  # longest pending sample, in tokens (arrival order)
         self.filled = False  # set by next_micro_batch: its last batch was full (a backlog)
         self.capped = 0  # batches next_micro_batch ended early because the credit was all held
 
@@ -449,6 +457,9 @@ class TokenBudgetBatcher:
         return (len(self.pending) + 1) * max(self._longest, n_tokens) <= self.max_tokens
 
     def push(self, sample: Sample) -> list[Sample] | None:
+        if self.window:
+            self.pending.append(sample)
+            return self._take() if len(self.pending) >= self.window else None
         n = sample.num_tokens
         ready = None
         if not self._fits(n):
@@ -459,15 +470,41 @@ class TokenBudgetBatcher:
 
     @property
     def full(self) -> bool:
-        """True when no further sample of any length can join the pending batch."""
+        """True when the next batch is due: W samples held, or (arrival order) no further sample
+        of any length can join the pending batch."""
         if not self.pending:
             return False
+        if self.window:
+            return len(self.pending) >= self.window
         if self.max_samples is not None and len(self.pending) >= self.max_samples:
             return True
         return (len(self.pending) + 1) * self._longest > self.max_tokens
 
     def flush(self) -> list[Sample]:
+        if self.window:
+            return self._take()
         out, self.pending, self._longest = self.pending, [], 0
+        return out
+
+    def _take(self) -> list[Sample]:
+        """One batch from the held samples: the oldest, then the closest in length that fit."""
+        if not self.pending:
+            return []
+        anchor = self.pending[0].num_tokens
+        rest = sorted(
+            range(1, len(self.pending)), key=lambda i: (abs(self.pending[i].num_tokens - anchor), i)
+        )
+        chosen, longest = [0], anchor
+        for i in rest:
+            if self.max_samples is not None and len(chosen) >= self.max_samples:
+                break
+            n = self.pending[i].num_tokens
+            if (len(chosen) + 1) * max(longest, n) <= self.max_tokens:
+                chosen.append(i)
+                longest = max(longest, n)
+        keep = set(chosen)
+        out = [s for i, s in enumerate(self.pending) if i in keep]
+        self.pending = [s for i, s in enumerate(self.pending) if i not in keep]
         return out
 
 

@@ -171,7 +171,8 @@ class Trainer:
         # With it on, lengths are rounded up to 64 by default (fewer distinct shapes).
         self.pin = on_gpu
         self.pad_to = cfg.pad_to_multiple_of or (64 if on_gpu and cfg.cudnn_attention else 1)
-        self.batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch)
+        window = cfg.length_window if credit is None else min(cfg.length_window, credit // 2)
+        self.batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch, window)
         self.metrics = StepMetrics(accelerator, cfg, ledger, bar)
 
         self.step = self.last_ckpt = ledger.step

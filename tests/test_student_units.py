@@ -78,6 +78,58 @@ def test_batcher_max_samples_and_full():
     assert [s.key for s in b.push(sample("c", 3))] == ["a", "b"]
 
 
+def test_length_window_groups_by_length_oldest_first_each_sample_once():
+    """With a length window the batcher holds W samples and takes a batch by length: the oldest held
+    sample and those closest to it in length that fit the budget. Every sample leaves once, every
+    batch is within the budget (or a too-long sample alone), and none waits more than W takes."""
+    import random
+
+    rng = random.Random(3)
+    lens = [rng.randint(10, 200) for _ in range(500)] + [900]  # 900: longer than the budget
+    budget, w = 800, 24
+    b = TokenBudgetBatcher(max_tokens=budget, window=w)
+    arrived, out = {}, []
+    for i, n in enumerate(lens):
+        arrived[f"k{i}"] = len(out)
+        ready = b.push(sample(f"k{i}", n, hidden=1))
+        assert (ready is not None) == (len(b.pending) + len(ready or []) >= w)
+        if ready:
+            assert ready[0].key == min((s.key for s in ready + b.pending), key=lambda k: int(k[1:]))
+            out.append(ready)
+    assert not b.full and 0 < len(b.pending) < w
+    while b.pending:
+        out.append(b.flush())
+    assert b.flush() == []
+    keys = [s.key for batch in out for s in batch]
+    assert sorted(keys) == sorted(arrived) and len(keys) == len(set(keys))  # each sample once
+    for j, batch in enumerate(out):
+        assert len(batch) * max(s.num_tokens for s in batch) <= budget or len(batch) == 1
+        assert all(j - arrived[s.key] <= w for s in batch)  # no sample waits for ever
+    padding = {}
+    for name, window in (("arrival", 0), ("window", w)):
+        bb, batches = TokenBudgetBatcher(max_tokens=budget, window=window), []
+        for i, n in enumerate(lens):
+            batches.append(bb.push(sample(f"k{i}", n, hidden=1)) or [])
+        while bb.pending:
+            batches.append(bb.flush())
+        padded = sum(len(x) * max(s.num_tokens for s in x) for x in batches if x)
+        padding[name] = 1 - sum(lens) / padded
+    assert padding["window"] < 0.6 * padding["arrival"], padding  # measured: 0.13 vs 0.35
+
+
+def test_length_window_respects_max_samples_and_micro_batch_flushes_every_held_sample():
+    b = TokenBudgetBatcher(max_tokens=1000, max_samples=2, window=4)
+    for i, n in enumerate([5, 50, 6, 51]):
+        ready = b.push(sample(f"k{i}", n))
+    assert [s.key for s in ready] == ["k0", "k2"] and [s.key for s in b.pending] == ["k1", "k3"]
+    # next_micro_batch: held samples come out once the source has ended, one batch per call
+    src = _ListSource([sample(f"m{i}", 4 + 40 * (i % 2)) for i in range(5)])
+    b = TokenBudgetBatcher(max_tokens=90, window=8)
+    got = [next_micro_batch(src, b, 0.5) for _ in range(5)]
+    assert [[s.key for s in x] for x in got] == [["m0", "m2", "m4"], ["m1", "m3"], [], [], []]
+    assert src.exhausted and not b.pending
+
+
 def test_collate_pads_masks_selects_layers_and_copies():
     s1, s2 = sample("a", 5, layers=(0, 2, 4)), sample("b", 3, layers=(4, 2), seed=1)
     host = collate([s1, s2], [2, 4])
