@@ -923,7 +923,10 @@ def child_bare(args) -> dict:
     from student.config import load_student_config
     from student.data import Batch, collate
     from student.model import DistillModel, TeacherHead, load_student, teacher_config
-    from student.train import build_optimizer, compute_loss
+    from student.recipes.base import build_optimizer
+    from student.recipes.distill import Distill
+
+    compute_loss = Distill().loss
 
     cfg, run = load_student_config(args.config, [])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -1248,6 +1251,7 @@ def child_profile_student(args) -> None:
     import student.data as sdata
     import student.loop as sloop
     import student.train as st
+    from student.recipes.distill import Distill
 
     cuda = torch.cuda.is_available()
 
@@ -1290,7 +1294,7 @@ def child_profile_student(args) -> None:
         (sloop, "next_micro_batch", "fill (source.get + batching)", step_profiler),
         (sloop, "check_sample", "check_sample", None),
         (sloop, "collate", "collate (host)", None),
-        (sloop, "compute_loss", "forward + loss", None),
+        (Distill, "loss", "forward + loss", None),
     ):
         fn = getattr(mod, name, None)
         if fn is not None:

@@ -533,7 +533,7 @@ def train_ce_only(
     from student.config import load_student_config
     from student.losses import ce
     from student.model import load_student
-    from student.recipe import build_optimizer
+    from student.recipes.base import build_optimizer
 
     cfg, _ = load_student_config(str(cfg_path))
     set_seed(cfg.seed)

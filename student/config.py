@@ -80,7 +80,7 @@ class StudentConfig(Strict):
     # distill: a student LM learns the teacher's states/logits (model, layer_map, losses below).
     # eagle3: an EAGLE-3 speculative-decoding draft (the `eagle3` section; model/from_config,
     # layer_map and losses are not used; teacher_model is required); exported for vLLM.
-    recipe: Literal["distill", "eagle3"] = "distill"
+    recipe: Literal["distill", "eagle3"] = "distill"  # a name in student.recipes.RECIPES
     eagle3: Eagle3Config | None = None
 
     # --- model ---

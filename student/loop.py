@@ -63,7 +63,7 @@ from student.data import (
 from student.errors import CheckpointError
 from student.ledger import Ledger
 from student.metrics import StepMetrics, write_metrics
-from student.recipe import Built, compute_loss, save_model
+from student.recipes import Built
 
 logger = get_logger(__name__)
 CAPPED_HINT_AFTER = 20  # micro-batches cut short by the credit window before the hint is logged
@@ -229,7 +229,7 @@ class Trainer:
             wait = idle_wait_s(self.cfg.idle_flush_s, self.anyone_backlogged)
             mb = Micro(next_micro_batch(self.source, self.batcher, wait, held, self.credit))
             for s in mb.samples:
-                check_sample(s, b.layer_ids, b.teacher_hidden, partial_ok=self.cfg.recipe != "eagle3")
+                check_sample(s, b.layer_ids, b.teacher_hidden, partial_ok=b.recipe.partial_positions)
             if mb.samples and not self.layers_noted:
                 self.layers_noted = True
                 hint = unused_layers_hint(mb.samples[0].layers, b.layer_ids)
@@ -342,9 +342,8 @@ class Trainer:
         acc = self.accelerator
         with contextlib.nullcontext() if sync else acc.no_sync(self.model):
             with acc.autocast():
-                loss, terms = compute_loss(
-                    self.model, self.built.head, batch, self.cfg, self.built.teacher_last
-                )
+                b = self.built
+                loss, terms = b.recipe.loss(self.model, b.head, batch, self.cfg, b.teacher_last)
             acc.backward(loss * weight)
         return loss.detach(), terms
 
@@ -503,7 +502,7 @@ class Trainer:
             )
 
     def _write_outputs(self, out_dir: Path, source_stats: list[dict]) -> None:
-        save_model(self.accelerator, self.model, self.cfg, out_dir / "model")
+        self.built.recipe.save(self.accelerator, self.model, self.cfg, out_dir / "model")
         write_metrics(out_dir / "metrics.json", self.ledger, self.world, source_stats)
         logger.info(
             "saved the student to %s (%d steps, %d samples)",

@@ -20,7 +20,7 @@ import torch
 from accelerate.logging import get_logger
 
 from student.ledger import Ledger
-from student.recipe import TERMS, reported_terms
+from student.recipes import TERMS, recipe_for
 
 logger = get_logger(__name__)
 
@@ -84,7 +84,7 @@ class StepMetrics:
         cfg = self.cfg
         n_tok = rec["tokens"] or 1.0
         rec["loss"] = float(tot[AT["loss"]]) / n_tok
-        rec.update({k: float(tot[AT[k]]) / n_tok for k in reported_terms(cfg)})
+        rec.update({k: float(tot[AT[k]]) / n_tok for k in recipe_for(cfg).reported_terms(cfg)})
         rec["wait_s"] = float(tot[AT["wait_s"]]) / self.world
         self.ledger.history.append(rec)
         self.tok_log += rec["tokens"]

@@ -43,12 +43,8 @@ from student.ledger import Ledger
 from student.loop import Progress, TeacherLeft, Trainer
 from student.metrics import write_exit
 from student.multinode import PeerTable, first_line, is_peer_failure, local_address, set_gloo_ifname
-from student.recipe import (
-    build_model,
-    build_optimizer,
-    compute_loss,  # noqa: F401 (benchmarks/gpu_e2e.py imports it from here)
-    unused_parameters,
-)
+from student.recipes import recipe_for
+from student.recipes.base import build_optimizer
 
 logger = get_logger(__name__)
 EXIT_USER_ERROR, EXIT_TEACHER_GONE, EXIT_PEER_LOST = 2, 3, 4
@@ -121,11 +117,11 @@ def setup(
             ckpt_dir,
             main_process_only=False,
         )
-    built = build_model(cfg, accelerator.device)
+    built = recipe_for(cfg).build(cfg, accelerator.device)
     ddp_kwargs.find_unused_parameters = (
         cfg.find_unused_parameters
         if cfg.find_unused_parameters is not None
-        else unused_parameters(cfg, built.model)
+        else built.recipe.unused_parameters(cfg, built.model)
     )
     if accelerator.device.type != "cpu":
         torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)

@@ -461,7 +461,9 @@ def test_loss_on_masked_changes_the_students_loss():
     from student.config import StudentConfig
     from student.data import collate
     from student.model import DistillModel, load_student
-    from student.recipe import compute_loss
+    from student.recipes.distill import Distill
+
+    compute_loss = Distill().loss
 
     student = {
         "from_config": {

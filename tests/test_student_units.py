@@ -190,7 +190,9 @@ def test_device_scatter_positions_pad_like_the_row_copy():
 def test_compute_loss_is_the_same_for_bf16_and_fp32_teacher_batches():
     """The loss upcasts the teacher states itself: a bf16 batch gives the fp32 batch's loss."""
     from student.model import DistillModel, load_student
-    from student.recipe import compute_loss
+    from student.recipes.distill import Distill
+
+    compute_loss = Distill().loss
 
     cfg = load_student_config_dict({**TINY_STUDENT, "losses": {"mse": 1.0, "cosine": 1.0, "nmse": 1.0}})
     model = DistillModel(load_student(cfg), [(1, 2)], 8, "auto")
@@ -373,7 +375,9 @@ def test_select_rows_equals_collate_of_the_subset():
 
 def test_find_unused_parameters_only_when_some_parameter_gets_no_gradient():
     from student.model import DistillModel, load_student
-    from student.recipe import unused_parameters
+    from student.recipes.distill import Distill
+
+    unused_parameters = Distill().unused_parameters
 
     def case(losses, projection="auto"):
         cfg = load_student_config_dict({**TINY_STUDENT, "losses": losses, "projection": projection})
@@ -647,7 +651,9 @@ def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_re
     from transformers import AutoModelForCausalLM
 
     from student.model import DistillModel, load_student
-    from student.recipe import compute_loss
+    from student.recipes.distill import Distill
+
+    compute_loss = Distill().loss
 
     spool = tmp_path / "spool"
     samples = {f"k{i}": sample(f"k{i}", 6, layers=(2, 4), seed=i) for i in range(5)}
