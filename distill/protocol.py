@@ -470,7 +470,7 @@ def _check_spec(spec, nframes: int | None):
     return name, DTYPES[dt], shape, idx, numel * DTYPES[dt].itemsize
 
 
-def _view(buf, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def tensor_view(buf, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     if len(buf) == 0:
         return torch.empty(shape, dtype=dtype)
     import warnings
@@ -548,7 +548,7 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
             except (OSError, ValueError) as e:
                 raise ProtocolError("field", f"shm reference not readable: {e}") from None
             bufs.append(buf)
-            tensors[name] = _view(buf, dtype, shape)
+            tensors[name] = tensor_view(buf, dtype, shape)
     else:
         if len(frames) != len(specs):
             raise ProtocolError("frames", f"header declares {len(specs)} tensors, got {len(frames)} frames")
@@ -564,7 +564,7 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
                     f"tensor {name!r} {shape} {spec[1]} needs {nbytes} bytes, frame has {buf.nbytes}",
                 )
             bufs.append(buf)
-            tensors[name] = _view(buf, dtype, shape)
+            tensors[name] = tensor_view(buf, dtype, shape)
     bad = digest_mismatch(bufs, crc, x3, x3t)
     if bad is not None:
         raise ProtocolError("checksum", f"payload {bad[0]} mismatch for sample {key!r}")

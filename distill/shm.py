@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from distill.protocol import _view
+from distill.protocol import tensor_view
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class ShmRing:
         tensors, offsets, cur = {}, [], off + STAMP_BYTES
         for (name, (shape, dt)), n in zip(specs.items(), sizes, strict=True):
             tensors[name] = (
-                _view(self.view[cur : cur + n], dt, list(shape)) if n else torch.empty(shape, dtype=dt)
+                tensor_view(self.view[cur : cur + n], dt, list(shape)) if n else torch.empty(shape, dtype=dt)
             )
             offsets.append(cur)
             cur += _pad(n)

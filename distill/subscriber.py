@@ -29,7 +29,7 @@ from distill.iothread import RateLimitedLog, TransportError, Wake, tune_malloc
 from distill.protocol import ProtocolError, Sample
 from distill.security import dealer_socket
 from distill.shm import ShmReader
-from distill.subscriber_sessions import _END, TeacherSessions, _Teacher
+from distill.subscriber_sessions import END_MARK, TeacherLink, TeacherSessions
 
 log = logging.getLogger("distill.transport")
 
@@ -68,8 +68,8 @@ class Subscriber(TeacherSessions):
         self._stop = threading.Event()
         self._started = threading.Event()
         self._shm = ShmReader()
-        self._teachers: list[_Teacher] = []
-        self._by_tid: dict[str, _Teacher] = {}  # every tid seen -> its endpoint (kept after restarts)
+        self._teachers: list[TeacherLink] = []
+        self._by_tid: dict[str, TeacherLink] = {}  # every tid seen -> its endpoint (kept after restarts)
         self._counters = collections.Counter()
         self._rejected = collections.Counter()
         self._reject_log = RateLimitedLog(log)
@@ -83,7 +83,7 @@ class Subscriber(TeacherSessions):
             tune_malloc()
         for ep in self.cfg.connect:
             sock = dealer_socket(self.cfg, self.name, ep)
-            self._teachers.append(_Teacher(ep, sock))
+            self._teachers.append(TeacherLink(ep, sock))
         self._thread = threading.Thread(target=self._run, name="distill-subscriber", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -122,7 +122,7 @@ class Subscriber(TeacherSessions):
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 continue
-            if item is _END:
+            if item is END_MARK:
                 self._finished = True
                 return None
             return dequantize_sample(item) if self.dequantize else item  # fp8 -> the model dtype
@@ -219,7 +219,7 @@ class Subscriber(TeacherSessions):
 
     # --- I/O thread --------------------------------------------------------------------------
 
-    def _send(self, t: _Teacher, kind: int, msg: bytes) -> None:
+    def _send(self, t: TeacherLink, kind: int, msg: bytes) -> None:
         """Never block the I/O thread (a peer that is not connected, e.g. a CURVE handshake that
         fails, makes a blocking send wait forever). HELLO/HEARTBEAT/BYE are dropped when they would
         block; the others wait in the outbox, in order."""
@@ -235,7 +235,7 @@ class Subscriber(TeacherSessions):
             else:
                 self._counters["dropped_control"] += 1
 
-    def _flush_outbox(self, t: _Teacher) -> None:
+    def _flush_outbox(self, t: TeacherLink) -> None:
         while t.outbox:
             try:
                 t.sock.send(t.outbox[0][1], zmq.NOBLOCK)
@@ -243,7 +243,7 @@ class Subscriber(TeacherSessions):
                 return
             t.outbox.popleft()
 
-    def _hello(self, t: _Teacher) -> None:
+    def _hello(self, t: TeacherLink) -> None:
         t.welcomed = False
         t.hello_pending = True
         t.hellos_out += 1
@@ -332,7 +332,7 @@ class Subscriber(TeacherSessions):
         for (tid, commit), seqs in batch.items():
             self._send(self._by_tid[tid], P.ACK, P.encode_control(P.ACK, tid=tid, seqs=seqs, commit=commit))
 
-    def _send_commits(self, t: _Teacher) -> None:
+    def _send_commits(self, t: TeacherLink) -> None:
         if not t.welcomed or not t.commit_out:
             return
         keys, t.commit_out = t.commit_out, []
@@ -340,7 +340,7 @@ class Subscriber(TeacherSessions):
             self._send(t, P.COMMIT, P.encode_control(P.COMMIT, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
         self._counters["committed"] += len(keys)
 
-    def _recv_all(self, t: _Teacher) -> None:
+    def _recv_all(self, t: TeacherLink) -> None:
         while True:
             try:
                 frames = t.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -370,7 +370,7 @@ class Subscriber(TeacherSessions):
                     )
                 self._reject_log(e.reason, "rejected message from teacher %s: %s", t.endpoint, e)
 
-    def _handle(self, t: _Teacher, h: dict, frames: list) -> None:
+    def _handle(self, t: TeacherLink, h: dict, frames: list) -> None:
         kind = h["k"]
         if kind == P.SAMPLE:
             self._on_sample(t, h, frames)

@@ -1,4 +1,4 @@
-"""The student's view of each teacher endpoint (`_Teacher`) and what the Subscriber's I/O thread does
+"""The student's view of each teacher endpoint (`TeacherLink`) and what the Subscriber's I/O thread does
 with what a teacher sends: samples (held, redelivered copies, duplicates), the WELCOME that opens a
 session, the controls only the session's teacher may send, and the keepalive that notices a silent
 teacher. A mixin of `distill.subscriber.Subscriber`, whose fields it uses: cfg, run_id, _shm,
@@ -22,11 +22,11 @@ from distill.protocol import ProtocolError
 log = logging.getLogger("distill.transport")
 
 _SILENT_LOG_EVERY_S = 10.0
-_END = object()  # queued once every teacher has sent END
+END_MARK = object()  # queued once every teacher has sent END
 
 
 @dataclass
-class _Teacher:
+class TeacherLink:
     endpoint: str
     sock: zmq.Socket
     tid: str | None = None
@@ -51,7 +51,7 @@ class _Teacher:
 class TeacherSessions:
     """Handlers of the Subscriber's I/O thread (see the module docstring)."""
 
-    def _keepalive(self, t: _Teacher, now: float) -> None:
+    def _keepalive(self, t: TeacherLink, now: float) -> None:
         """Heartbeat; notice a silent teacher, say so, look for a restarted one, give up in the end."""
         silent = now - t.last_seen
         if silent > self.cfg.heartbeat_timeout_s:
@@ -83,7 +83,7 @@ class TeacherSessions:
             self._hello(t)  # the teacher may have restarted or not be up yet
         self._send(t, P.HEARTBEAT, P.encode_control(P.HEARTBEAT, name=self.name))
 
-    def _on_sample(self, t: _Teacher, h: dict, frames: list) -> None:
+    def _on_sample(self, t: TeacherLink, h: dict, frames: list) -> None:
         if not t.welcomed:
             raise ProtocolError("kind", "sample before WELCOME")
         if h.get("tid") != t.tid:
@@ -119,7 +119,7 @@ class TeacherSessions:
             return
         self._q.put(s)
 
-    def _on_welcome(self, t: _Teacher, h: dict) -> None:
+    def _on_welcome(self, t: TeacherLink, h: dict) -> None:
         if not t.hello_pending:
             if t.hellos_out > 0 and h["tid"] == t.tid:
                 # The answer to an earlier HELLO of this session (two HELLOs crossed, e.g. a
@@ -161,7 +161,7 @@ class TeacherSessions:
             self._send(t, P.ACKED, P.encode_control(P.ACKED, keys=keys[i : i + P.MAX_KEYS_PER_MESSAGE]))
         self._send_commits(t)
 
-    def _on_session_control(self, t: _Teacher, kind: int, h: dict) -> None:
+    def _on_session_control(self, t: TeacherLink, kind: int, h: dict) -> None:
         """HEARTBEAT / DRAIN / END: accepted only from the teacher of this session."""
         if t.tid is None or h.get("tid", t.tid) != t.tid:
             raise ProtocolError(
@@ -175,6 +175,6 @@ class TeacherSessions:
         elif kind == P.END:
             t.ended = True
             if all(x.ended for x in self._teachers):
-                self._q.put(_END)
+                self._q.put(END_MARK)
         else:
             raise ProtocolError("kind", f"teachers do not send kind {kind}")

@@ -59,7 +59,7 @@ from transformers.models.llama.modeling_llama import (
 from distill.config import eagle3_layer_ids
 from student.config import StudentConfig
 from student.data import StudentError
-from student.model import TeacherHead, _checkpoint_tensors
+from student.model import TeacherHead, checkpoint_tensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM: llama_eagle3.Eagle3LlamaForCausalLM
 INIT_STD = 0.02
@@ -421,7 +421,7 @@ def build_draft(cfg: StudentConfig) -> tuple[Eagle3Draft, TeacherParts, list[int
         skeleton = AutoModelForCausalLM.from_config(tconf)
     emb_mod = skeleton.get_input_embeddings()
     emb_name = next(f"{p}.weight" for p, m in skeleton.named_modules() if m is emb_mod)
-    embed = _checkpoint_tensors(folder, [emb_name]).get(emb_name)
+    embed = checkpoint_tensors(folder, [emb_name]).get(emb_name)
     if embed is None:
         raise StudentError(f"teacher checkpoint {str(folder)!r} lacks {emb_name} (the draft's embeddings)")
     torch.manual_seed(cfg.seed)

@@ -66,7 +66,7 @@ def decoder_norm(model: nn.Module) -> nn.Module:
     )
 
 
-def _checkpoint_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """Read the named tensors from a (possibly sharded) safetensors checkpoint; absent names are skipped."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -108,7 +108,7 @@ class TeacherHead(nn.Module):
             head_w = _param_name(skeleton, skeleton.get_input_embeddings(), "weight")
         lm_head = nn.Linear(tconf.hidden_size, tconf.vocab_size, bias=False, device="meta")
         names[head_w] = (lm_head, "weight")
-        tensors = _checkpoint_tensors(Path(folder), list(names))
+        tensors = checkpoint_tensors(Path(folder), list(names))
         missing = [n for n in names if n not in tensors]
         if missing:
             raise StudentError(f"teacher checkpoint {folder!r} lacks {missing} (needed for the KL term)")

@@ -102,14 +102,14 @@ from distill.protocol import Sample
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 from teacher.connector_parts import (
+    PinnedPool,
+    SampleInfo,
+    SendJob,
     StatsWriter,
-    _Job,
-    _layer_perm,
-    _PinnedPool,
-    _SampleInfo,
-    _spans_ok,
-    _take_lock,
+    layer_perm,
     loss_mask,
+    spans_ok,
+    take_lock,
 )
 from teacher.sizing import write_flow
 from teacher.staging import (
@@ -170,7 +170,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         # of the configured list; every sample is delivered in the CONFIGURED order (its `layers`
         # names what each slot holds): `_perm[i]` is the cache slot of layer_ids[i].
         self.layer_ids = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
-        self._perm = _layer_perm(self.layer_ids)
+        self._perm = layer_perm(self.layer_ids)
         # Test hooks (never set them in a real run): "mislabel" delivers the cache's ascending
         # order under the configured labels (the bug issue 11 fixed); "flip" adds 1 to the first
         # value of every sample. The live probe (teacher.verify_every) must catch both.
@@ -181,13 +181,13 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
 
         # Scheduler-side state
         # req_id -> key/meta/path, from scheduling to finish
-        self._req_info: dict[str, _SampleInfo] = {}
+        self._req_info: dict[str, SampleInfo] = {}
         # req_id -> info of a finished request, until its pending save goes to the worker
-        self._finished_info: dict[str, _SampleInfo] = {}
+        self._finished_info: dict[str, SampleInfo] = {}
 
         # Worker-side state (set up in register_kv_caches on rank 0)
         self._publisher = None  # distill.transport.Publisher (mode stream)
-        self._queue: queue.Queue | None = None  # _Job / _STOP for the sender thread
+        self._queue: queue.Queue | None = None  # SendJob / _STOP for the sender thread
         self._sender: threading.Thread | None = None
         self._sender_error: BaseException | None = None  # first failure, re-raised on the engine step
         self._pending_copies: dict[str, Any] = {}  # req_id -> CUDA event of its copy (None: done)
@@ -195,7 +195,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         # Pending saves that found every pinned buffer busy: copied (in order) at a later step,
         # their blocks kept meanwhile; the engine step never waits for a buffer.
         self._deferred: deque = deque()
-        self._pinned: _PinnedPool | None = None  # CUDA staging buffers
+        self._pinned: PinnedPool | None = None  # CUDA staging buffers
         self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
         # Where the time goes (logged at shutdown): the engine thread's synchronous copies (no
@@ -229,7 +229,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     # Scheduler-side methods
     # ==============================
 
-    def _info_for(self, req_id: str, kv_params: dict[str, Any] | None) -> _SampleInfo:
+    def _info_for(self, req_id: str, kv_params: dict[str, Any] | None) -> SampleInfo:
         kv_params = kv_params or {}
         key = str(kv_params.get("sample_key") or req_id)
         meta = kv_params.get("meta") or {}
@@ -238,7 +238,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 f"kv_transfer_params['meta'] of request {req_id} must be a map, got {type(meta)}"
             )
         spans = kv_params.get("loss_spans")
-        if spans is not None and not _spans_ok(spans):
+        if spans is not None and not spans_ok(spans):
             # A malformed mask from an outside client must not stop the engine: the default is used.
             logger.warning(
                 "distill: request %s: kv_transfer_params['loss_spans'] must be a list of [start, end) "
@@ -250,7 +250,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if capture not in CAPTURES:  # as a malformed mask: the engine goes on, with the default
             logger.warning("distill: request %s: kv_transfer_params['capture'] %r ignored", req_id, capture)
             capture = self.cfg.capture
-        return _SampleInfo(
+        return SampleInfo(
             key=key,
             meta=meta,
             path=os.path.join(self.cfg.spool.dir, spool_name(key)),
@@ -315,7 +315,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._staged_token = _token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), quantize)
         _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
         if self._kv_cache.is_cuda:
-            self._pinned = _PinnedPool(self.cfg.pinned_buffers, limit=self.cfg.staging_bytes)
+            self._pinned = PinnedPool(self.cfg.pinned_buffers, limit=self.cfg.staging_bytes)
             if self.cfg.copy_threads > 1:
                 self._copy_pool = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="distill-copy")
         if self.cfg.mode == "stream":
@@ -344,7 +344,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             "distill: this worker places samples (mode %s, spool %s)", self.cfg.mode, self.cfg.spool.dir
         )
 
-    def _extract(self, pending, info: _SampleInfo | None, *, wait: bool = False) -> bool:
+    def _extract(self, pending, info: SampleInfo | None, *, wait: bool = False) -> bool:
         """Copy one finished request's rows off the cache and queue them for the sender thread
         (CUDA: on a side stream into a reused pinned buffer; CPU: a plain gather). False (nothing
         done) when every pinned staging buffer is busy: the caller keeps the request's blocks and
@@ -403,9 +403,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._timing["pageable_copies"] += 1  # no pinned pool (pinned_buffers: 0) or shutdown
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
-            lock_fd = _take_lock(info.path)
+            lock_fd = take_lock(info.path)
         self._pending_copies[pending.req_id] = pieces or copy_done
-        job = _Job(pending.req_id, info, pending.token_ids.clone(), hosts[0], copy_done, staging, lock_fd)
+        job = SendJob(pending.req_id, info, pending.token_ids.clone(), hosts[0], copy_done, staging, lock_fd)
         job.pieces = pieces
         if quantize:
             job.hidden_scale, job.model_dtype = hosts[1], kv.dtype
@@ -422,7 +422,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         with self._peak_lock:
             self._timing["staging_peak_bytes"] = max(self._timing.get("staging_peak_bytes", 0), nbytes)
 
-    def _extract_or_defer(self, pending, info: _SampleInfo | None) -> None:
+    def _extract_or_defer(self, pending, info: SampleInfo | None) -> None:
         """Pending saves are copied in order: behind earlier deferred ones, or deferred too."""
         if not self._deferred and self._extract(pending, info):
             return
@@ -481,7 +481,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 if job.lock_fd is not None:
                     os.close(job.lock_fd)  # releases LOCK_EX: load_hidden_states readers proceed
 
-    def _place(self, job: _Job) -> None:
+    def _place(self, job: SendJob) -> None:
         hs = job.hidden_states
         if job.copy_done is not None:
             t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """Self-contained parts of the KV connector (teacher/connector.py): what travels from the scheduler
-to the worker per request (`_SampleInfo`), the sender thread's input (`_Job`), the pinned staging
-pool of the CUDA copy path (`_PinnedPool`, buffers of at most `teacher.staging_bytes`), the configured-layer-order permutation (`_layer_perm`),
-the loss mask built from a request's `loss_spans` (`_spans_ok`, `loss_mask`), the spool lock
-(`_take_lock`) and the Publisher's stats file (`StatsWriter`). No vLLM import here: only torch and distill.
+to the worker per request (`SampleInfo`), the sender thread's input (`SendJob`), the pinned staging
+pool of the CUDA copy path (`PinnedPool`, buffers of at most `teacher.staging_bytes`), the configured-layer-order permutation (`layer_perm`),
+the loss mask built from a request's `loss_spans` (`spans_ok`, `loss_mask`), the spool lock
+(`take_lock`) and the Publisher's stats file (`StatsWriter`). No vLLM import here: only torch and distill.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ logger = logging.getLogger("distill.teacher")
 
 
 @dataclass
-class _SampleInfo:
+class SampleInfo:
     """Per-request facts the scheduler learns and the worker needs (travels in the metadata)."""
 
     key: str
@@ -38,11 +38,11 @@ class _SampleInfo:
 
 
 @dataclass
-class _Job:
+class SendJob:
     """One sample on its way from the cache to the Publisher (sender thread input)."""
 
     req_id: str
-    info: _SampleInfo
+    info: SampleInfo
     token_ids: torch.Tensor  # [T] int64, CPU
     hidden_states: torch.Tensor  # [T, L, H] CPU (CUDA: a view into a pinned staging buffer)
     copy_done: Any  # CUDA event to wait on before reading `hidden_states`; None on CPU
@@ -57,7 +57,7 @@ class _Job:
     pieces: Any = None
 
 
-class _PinnedPool:
+class PinnedPool:
     """Reused pinned host buffers for device-to-host copies (CUDA only).
 
     A buffer is taken for one copy and given back by the sender thread as soon as the rows were
@@ -96,7 +96,7 @@ class _PinnedPool:
             self._free.append(buf)
 
 
-def _layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
+def layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
     """Cache slot of each configured layer id (the cache holds them in ascending order), or None
     when the configured order already is ascending (no reordering)."""
     order = sorted(layer_ids)
@@ -105,7 +105,7 @@ def _layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
     return torch.tensor([order.index(x) for x in layer_ids], dtype=torch.long)
 
 
-def _spans_ok(spans: Any) -> bool:
+def spans_ok(spans: Any) -> bool:
     return isinstance(spans, list | tuple) and all(
         isinstance(p, list | tuple)
         and len(p) == 2
@@ -114,7 +114,7 @@ def _spans_ok(spans: Any) -> bool:
     )
 
 
-def loss_mask(info: _SampleInfo, num_tokens: int) -> torch.Tensor:
+def loss_mask(info: SampleInfo, num_tokens: int) -> torch.Tensor:
     """The sample's `loss_mask` [num_tokens] uint8: the prompt's spans (clipped to the prompt, so a
     truncated prompt keeps the part of its mask that is left), 1 on every generated token (the
     sample's tokens past the prompt, include_output_tokens). Without spans: the prompt is all ones
@@ -134,7 +134,7 @@ def loss_mask(info: _SampleInfo, num_tokens: int) -> torch.Tensor:
     return m
 
 
-def _take_lock(path: str) -> int:
+def take_lock(path: str) -> int:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fd = os.open(lock_path(path), os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)

@@ -123,12 +123,12 @@ def test_a_bound_too_small_for_one_token_is_one_line():
 
 
 def test_pinned_buffers_never_exceed_the_bound():
-    from teacher.connector_parts import _PinnedPool
+    from teacher.connector_parts import PinnedPool
 
-    pool = _PinnedPool(3, pin=False, limit=3 * MiB)
+    pool = PinnedPool(3, pin=False, limit=3 * MiB)
     assert pool.take(3 * MiB).numel() == 3 * MiB  # not rounded up to 4 MiB
     assert pool.take(1536 << 10).numel() == 2 * MiB  # below the bound: a power of two, as before
-    assert _PinnedPool(1, pin=False).take(3 * MiB).numel() == 4 * MiB  # no limit: unchanged
+    assert PinnedPool(1, pin=False).take(3 * MiB).numel() == 4 * MiB  # no limit: unchanged
 
 
 def test_staging_bytes_setting_is_checked_in_one_line(tmp_path, capsys):
@@ -203,7 +203,7 @@ def test_connector_places_long_samples_in_pieces_and_one_over_the_memory_bound_v
     (4.7 MiB) is over the Publisher's 3 MiB memory bound: it is spooled (no ring slot taken) and
     replayed to the connected student. Both bitwise equal to one gather; the peak within the bound."""
     from distill.transport import Publisher, Subscriber
-    from teacher.connector_parts import _SampleInfo
+    from teacher.connector_parts import SampleInfo
 
     kv = _cache(blocks=64, layers=2, block_size=16, hidden=1024)
     ep = f"ipc://{tmp_path}/t.sock"
@@ -221,7 +221,7 @@ def test_connector_places_long_samples_in_pieces_and_one_over_the_memory_bound_v
         conn._publisher = pub
         assert wait_until(lambda: pub.stats()["students"] >= 1, 10)
         for key, pending in reqs.items():
-            info = _SampleInfo(key=key, meta={}, path=str(tmp_path / "spool" / key))
+            info = SampleInfo(key=key, meta={}, path=str(tmp_path / "spool" / key))
             assert conn._extract(pending, info)
             job = conn._queue.get_nowait()
             assert job.pieces is not None and job.hidden_states.is_meta  # nothing gathered yet

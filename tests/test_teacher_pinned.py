@@ -10,13 +10,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from teacher.connector import _PinnedPool  # noqa: E402
+from teacher.connector import PinnedPool  # noqa: E402
 
 MiB = 1 << 20
 
 
 def test_pool_reuses_bounds_and_grows():
-    pool = _PinnedPool(2, pin=False)
+    pool = PinnedPool(2, pin=False)
     a = pool.take(3 * MiB)
     assert a.numel() == 4 * MiB  # power of two
     b = pool.take(100)
@@ -35,7 +35,7 @@ def test_pool_reuses_bounds_and_grows():
 
 
 def test_pool_disabled():
-    assert _PinnedPool(0, pin=False).take(10) is None
+    assert PinnedPool(0, pin=False).take(10) is None
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
     from distill.config import SpoolConfig, TransportConfig
     from distill.transport import Publisher, Subscriber
     from teacher.config import ConnectorConfig
-    from teacher.connector import DistillHiddenStatesConnector, _Job, _SampleInfo
+    from teacher.connector import DistillHiddenStatesConnector, SampleInfo, SendJob
 
     ep = f"ipc://{tmp_path}/t.sock"
     tcfg = TransportConfig(
@@ -72,7 +72,7 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
     conn.layer_ids = [1, 2]
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
     conn._timing = dict.fromkeys(("pageable_copies", "wait_copy_s", "copy_s", "digest_s", "submit_s"), 0)
-    conn._pinned = _PinnedPool(1, pin=False)
+    conn._pinned = PinnedPool(1, pin=False)
     conn._copy_pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
     shape = (rows, 2, 1024)
     nbytes = rows * 2 * 1024 * 4
@@ -85,13 +85,13 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
         hs = staging[:nbytes].view(torch.float32).view(shape)
         want = torch.arange(rows * 2 * 1024, dtype=torch.float32).view(shape)
         hs.copy_(want)
-        info = _SampleInfo(key="row-1", meta={"m": 1}, path=str(tmp_path / "spool" / "x"))
+        info = SampleInfo(key="row-1", meta={"m": 1}, path=str(tmp_path / "spool" / "x"))
 
         def no_hash_on_the_sender(sample):
             raise AssertionError("the sender thread hashed the sample")
 
         monkeypatch.setattr(P, "sample_x3t", no_hash_on_the_sender)
-        conn._place(_Job("req-1", info, torch.arange(rows), hs, None, staging, None))
+        conn._place(SendJob("req-1", info, torch.arange(rows), hs, None, staging, None))
         assert conn._pinned.take(1) is staging  # given back to the pool ...
         staging.fill_(0)  # ... and reused at once
         s = sub.get(timeout=10)
@@ -118,11 +118,11 @@ def test_layer_perm_maps_the_configured_order_to_the_cache_slots():
     """vLLM's cache holds the layers ascending; slot i of a delivered sample is layer_ids[i]."""
     import torch
 
-    from teacher.connector import _layer_perm
+    from teacher.connector import layer_perm
 
-    assert _layer_perm([0, 1, 3]) is None  # already ascending: no reordering
+    assert layer_perm([0, 1, 3]) is None  # already ascending: no reordering
     ids = [6, 0, 1, 5]
-    perm = _layer_perm(ids)
+    perm = layer_perm(ids)
     cache = torch.tensor(sorted(ids)).view(1, -1, 1)  # [T=1, L, H=1]: each slot holds its layer id
     assert cache.index_select(1, perm).flatten().tolist() == ids
 
