@@ -14,7 +14,7 @@ from distill.journal import JournalTail
 from distill.spool import spool_bytes
 from teacher.config import ConnectorConfig, TeacherConfig, model_config, model_dtype
 from teacher.data import iter_rows
-from teacher.engine import SPOOL_MARGIN_S, EngineDied, EngineWatchdog, build_llm, shutdown_llm
+from teacher.engine import EngineDied, EngineWatchdog, build_llm, shutdown_bound_s, shutdown_llm
 from teacher.metrics import read_stats_file
 from teacher.preflight import check_endpoints_free, check_journal_free
 from teacher.sizing import note_phase, take_flow
@@ -221,7 +221,7 @@ def _run_engine(r: Run, conn: ConnectorConfig, windows: Windows, first, stop: St
             # Frees the GPU now: the serve phase needs no engine. The connector waits at most
             # drain_timeout_s for acks, then spools what is unacked.
             t_sd = time.monotonic()
-            shutdown_llm(llm, timeout_s=conn.drain_timeout_s + SPOOL_MARGIN_S + 30)
+            shutdown_llm(llm, timeout_s=shutdown_bound_s(conn.drain_timeout_s))
             log.info("engine shut down in %.1fs", time.monotonic() - t_sd)
             del llm
     if dead is not None:

@@ -5,10 +5,12 @@ missing (neither committed nor spooled nor held by anyone), send the run back to
 from __future__ import annotations
 
 import logging
+import os
 import time
 
-from distill.journal import JournalTail
+from distill.journal import JournalTail, lock_holder
 from distill.spool import list_spool, remove_spool_file, spool_name
+from teacher.engine import shutdown_bound_s
 from teacher.sizing import delta, note_phase, shares
 from teacher.state import Run, ServeFailed, Stop, say
 
@@ -26,6 +28,9 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
     phase = {"phase": "serve", "round": rnd, "served": 0, "lost": 0}
     r.phases.append(phase)
     t_phase = time.monotonic()
+    if not _wait_for_engine_publisher(r, stop):  # before reading the journal: it may still change
+        phase.update(outcome="signal", seconds=round(time.monotonic() - t_phase, 3))
+        return "signal", set()
     tail = JournalTail(r.cfg.journal)
     tail.poll()
     committed0 = len(tail.committed & r.required)
@@ -65,6 +70,55 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
         phase["seconds"] = round(time.monotonic() - t_phase, 3)
         phase["outcome"] = watch.outcome or "gone"
     return watch.outcome, watch.lost
+
+
+def _wait_for_engine_publisher(r: Run, stop: Stop) -> bool:
+    """The engine phase's Publisher (in one of this teacher's vLLM processes) may still hold the
+    journal: vLLM's shutdown returned, but the process has not exited yet (killed at the shutdown
+    bound, or orphaned while it spools what students did not ack). Wait while it lives, with a line
+    every `progress_every_s`, at most `shutdown_bound_s(drain_timeout_s)` (the time vLLM gives its
+    engine to shut down); the serve Publisher takes the lock only once it is free (never two
+    writers). A holder that is not this teacher's gets the Publisher's usual 10 s wait. Returns
+    False on a stop signal; raises ServeFailed when the bound passes."""
+    bound = shutdown_bound_s(r.cfg.drain_timeout_s)
+    t0 = time.monotonic()
+    last_print = t0 - r.cfg.progress_every_s
+    while (pid := lock_holder(r.cfg.journal)) is not None and _ours(pid):
+        now = time.monotonic()
+        if stop.requested:
+            return False
+        if now - t0 > bound:
+            raise ServeFailed(
+                f"the engine's publisher (pid {pid}) still holds the journal {r.cfg.journal} after "
+                f"{bound:.0f}s (teacher.drain_timeout_s + {bound - r.cfg.drain_timeout_s:.0f}s): stop that process"
+            )
+        if now - last_print >= r.cfg.progress_every_s:
+            last_print = now
+            say(
+                f"serving: waiting for the engine's publisher (pid {pid}) to release the journal: it "
+                f"spools what students did not ack ({now - t0:.0f}s, at most {bound:.0f}s)"
+            )
+        time.sleep(0.1)
+    return True
+
+
+def _ours(pid: int) -> bool:
+    """Whether `pid` is one of this teacher's engine processes: a descendant, or one that carries
+    this teacher's pid in its environment (reparented once vLLM's engine core was killed)."""
+    import psutil
+
+    from teacher.reaper import MARK
+
+    me = os.getpid()
+    if pid == me:
+        return False
+    try:
+        p = psutil.Process(pid)
+        if any(a.pid == me for a in p.parents()):
+            return True
+        return p.environ().get(MARK) == str(me)
+    except (psutil.Error, OSError):
+        return False
 
 
 def _note_flow(r: Run, phase: dict, st: dict) -> None:
