@@ -57,7 +57,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
                 raise ServeFailed(f"serving stopped: {e}") from None
             watch.step(time.monotonic())
         if watch.outcome == "done":
-            _send_end(pub, transport, stop)
+            send_end(pub, transport, stop)
     except KeyboardInterrupt:
         watch.outcome = "signal"
         raise
@@ -252,7 +252,7 @@ def _no_student_hint(cfg) -> str:
     return hint
 
 
-def _send_end(pub, transport, stop: Stop) -> None:
+def send_end(pub, transport, stop: Stop) -> None:
     """END goes out once nothing is waiting or in flight; then it must reach the students."""
     pub.end()
     end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)

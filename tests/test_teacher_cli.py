@@ -302,6 +302,45 @@ def test_serve_phase_waits_for_the_engines_publisher_while_it_drains(assets, tmp
     assert set((tmp_path / "journal.txt").read_text().split()) == set(keys)
 
 
+def test_distill_finish_serves_a_served_teachers_spool_and_sends_end(tmp_path):
+    """`distill-finish` (teacher/finish.py) with a `vllm serve` teacher's --kv-transfer-config: what
+    the stopped server spooled reaches the student once, then END; refused while the endpoint is
+    still in use (the server runs). No vLLM: the spool is the server's leftovers."""
+    import zmq
+
+    keys = ["srv-a", "srv-b", "srv-c"]
+    _spool_rows(tmp_path / "spool", keys)
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"
+    extra = {
+        "transport": {"bind": [ep]},
+        "spool": {"dir": str(tmp_path / "spool")},
+        "journal": str(tmp_path / "j.txt"),
+    }
+    kv = json.dumps({"kv_connector": "DistillHiddenStatesConnector", "kv_connector_extra_config": extra})
+    cmd = [sys.executable, "-m", "teacher.finish", "--kv-transfer-config", kv, "--progress-every-s", "1"]
+
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)  # the vllm serve teacher's connector, still running
+    server.bind(ep)
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        server.close(0)
+        ctx.term()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "stop the vllm serve teacher first" in r.stderr
+
+    with _student(ep) as student:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        student.join(timeout=30)  # END ends it
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "distill-finish: END sent" in r.stderr
+    assert student.error is None and student.finished, "the student got END"
+    assert sorted(student.keys) == keys  # each once
+    assert set((tmp_path / "j.txt").read_text().split()) == set(keys)
+    assert list_spool(tmp_path / "spool") == []
+
+
 def test_students_never_come_exit_3_with_the_spool_intact(assets, tmp_path):
     _, model, _ = assets
     _, cfg, _ = _spooled_run(tmp_path, model, 3, 5, student_wait_s=3, progress_every_s=1)
