@@ -36,7 +36,9 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
     committed0 = len(tail.committed & r.required)
     if not r.spool.keep:
         _remove_committed_spool_files(r, tail.committed)
-    pub = Publisher(transport, r.spool, journal=r.cfg.journal, auto_end=False)
+    # Only this run's spool files: a spool folder shared with another dataset keeps its files.
+    todo = r.required - tail.committed
+    pub = Publisher(transport, r.spool, journal=r.cfg.journal, auto_end=False, replay_keys=todo)
     try:
         pub.start()
     except Exception as e:
@@ -266,9 +268,8 @@ def send_end(pub, transport, stop: Stop) -> None:
         return
     st = pub.stats()
     log.warning(
-        "every sample is committed, but END was not sent within %.0fs (%d spool files of "
-        "keys outside this dataset still wait, %d in flight): students may wait for a "
-        "teacher until their transport.teacher_wait_s",
+        "every sample is committed, but END was not sent within %.0fs (%d samples still wait, "
+        "%d in flight): students may wait for a teacher until their transport.teacher_wait_s",
         end_wait,
         st.get("spool_files", 0) + st.get("pending", 0),
         st.get("inflight", 0),

@@ -341,6 +341,24 @@ def test_distill_finish_serves_a_served_teachers_spool_and_sends_end(tmp_path):
     assert list_spool(tmp_path / "spool") == []
 
 
+def test_serve_phase_replays_only_this_runs_spool_files(assets, tmp_path):
+    """A spool folder also holding another dataset's samples: the serve phase replays this run's
+    keys only (one log line names what it left), ends with END, and leaves the others in place."""
+    _, model, _ = assets
+    keys, cfg, ep = _spooled_run(tmp_path, model, 3, 13, student_wait_s=120, progress_every_s=1)
+    _spool_rows(tmp_path / "spool", ["other-0", "other-1"])  # another dataset's, same folder
+    with _student(ep) as student:
+        r = _run(cfg, timeout=120)
+        student.join(timeout=30)  # END ends it
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert student.error is None and student.finished, "the student got END"
+    assert sorted(student.keys) == sorted(keys)  # nothing of the other dataset
+    line = [x for x in r.stderr.splitlines() if "outside this run not replayed" in x]
+    assert len(line) == 1 and ": 2 files of keys" in line[0], r.stderr[-3000:]
+    assert {p.name for p in list_spool(tmp_path / "spool")} == {spool_name("other-0"), spool_name("other-1")}
+    assert "END was not sent" not in r.stderr
+
+
 def test_students_never_come_exit_3_with_the_spool_intact(assets, tmp_path):
     _, model, _ = assets
     _, cfg, _ = _spooled_run(tmp_path, model, 3, 5, student_wait_s=3, progress_every_s=1)
