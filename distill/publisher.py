@@ -286,7 +286,9 @@ class Publisher(StudentSessions):
         return to_spool
 
     def add_spool_files(self, paths) -> None:
-        """Replay these spool files to students too (e.g. written by another process)."""
+        """Replay these spool files to students too (e.g. written by another process). Files
+        already queued (spool.dir's, which `start()` takes, or an earlier call's) are skipped: each
+        is sent once."""
         self._spooler.add_files(paths)
         self._wake.set()
 
