@@ -285,6 +285,30 @@ def _lock_current(path: Path, wait_s: float):
         f.close()
 
 
+def lock_holder(path: str | os.PathLike) -> int | None:
+    """The pid of the process holding the journal's lock (`flock`), from the kernel's table
+    (/proc/locks, Linux); None when nobody holds it or it cannot be told."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; a waiter's line has "->" after "1:"
+        if len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        try:
+            major, minor, ino = parts[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                return int(parts[4])
+        except ValueError:
+            continue
+    return None
+
+
 class OwnerLock:
     """`<journal>.lock`: held by one `distill-teacher` process from its start to its exit, across
     every phase (its Publishers take the journal's own lock, in vLLM's worker or in this process,

@@ -22,6 +22,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from distill.protocol import Sample
 from distill.security import router_socket
 from distill.sessions import StudentSessions
 from distill.shm import RingSlot, ShmRing, clean_stale, ring_name
-from distill.spool import disk_room, list_spool
+from distill.spool import disk_room, list_spool, spool_name
 from distill.spooler import Budget, Spooler
 from distill.students import Entry, FlowClock, Student, StudentTable
 
@@ -53,6 +54,7 @@ class Publisher(StudentSessions):
         journal: str | None = None,
         journal_lock_wait_s: float = 10.0,
         auto_end: bool = True,
+        replay_keys: Iterable[str] | None = None,
     ):
         self.cfg = cfg
         self.spool_cfg = spool or SpoolConfig()
@@ -62,6 +64,9 @@ class Publisher(StudentSessions):
         # auto_end: END once the input is closed and every sample is acked and committed. Otherwise
         # END only after `end()` (distill-teacher decides when the run is complete).
         self.auto_end = auto_end
+        # The spool files `start()` replays: those of these keys (the run's), or every file in
+        # spool.dir (None). Other files stay where they are (another dataset's, say).
+        self.replay_keys = None if replay_keys is None else set(replay_keys)
         self._budget = Budget()  # bytes in memory and spool, counters; its lock guards the fields below
         self._lock = self._budget.lock
         self._spooler = Spooler(self.spool_cfg, self._budget, self._replay_slot, self._free_ring_offset)
@@ -113,12 +118,31 @@ class Publisher(StudentSessions):
             self._close_journal()
             raise
         # Samples left in the spool by an earlier run (or the engine phase) are replayed too.
-        self.add_spool_files(list_spool(self.spool_cfg.dir))
+        self.add_spool_files(self._spool_files_to_replay())
         self._thread = threading.Thread(target=self._run, name="distill-publisher", daemon=True)
         self._thread.start()
         self._spooler.start(self.cfg.max_buffer_bytes, self._wake.set)
         self._started.wait()
         return self
+
+    def _spool_files_to_replay(self) -> list[Path]:
+        """The files in spool.dir that `start()` replays: every one, or those of `replay_keys`
+        (one log line says how many others were left in place)."""
+        files = list_spool(self.spool_cfg.dir)
+        if self.replay_keys is None:
+            return files
+        names = {spool_name(k) for k in self.replay_keys}
+        mine = [p for p in files if p.name in names]
+        other = [p.name for p in files if p.name not in names]
+        if other:
+            shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+            log.warning(
+                "spool.dir %s: %d files of keys outside this run not replayed (left in place): %s",
+                self.spool_cfg.dir,
+                len(other),
+                shown,
+            )
+        return mine
 
     def _open_ring(self) -> ShmRing | None:
         if self.cfg.shm == "off":
@@ -262,7 +286,9 @@ class Publisher(StudentSessions):
         return to_spool
 
     def add_spool_files(self, paths) -> None:
-        """Replay these spool files to students too (e.g. written by another process)."""
+        """Replay these spool files to students too (e.g. written by another process). Files
+        already queued (spool.dir's, which `start()` takes, or an earlier call's) are skipped: each
+        is sent once."""
         self._spooler.add_files(paths)
         self._wake.set()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -112,6 +113,9 @@ class Spooler:
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._trash: queue.SimpleQueue = queue.SimpleQueue()  # (path, size) of acked spool files
+        # (Under budget.lock) Absolute paths of the files queued, read ahead or in flight, until
+        # acked or found gone: `add_files` skips them (a file is replayed once, not once per call).
+        self._known: set[str] = set()
         self._remover: threading.Thread | None = None
 
     def __len__(self) -> int:
@@ -197,19 +201,30 @@ class Spooler:
             self.budget.counters["spooled"] += 1
             self.budget.counters["spooled_bytes"] += sample.nbytes
             self._new.append((path, size))
+            self._known.add(os.path.abspath(path))
         return path
 
     def add_files(self, paths) -> None:
-        """Replay these spool files too (e.g. written by another process)."""
+        """Replay these spool files too (e.g. written by another process); files this spooler
+        already has queued, read ahead or in flight are skipped (a file is sent once)."""
         items = []
         for p in paths:
             try:
-                items.append((Path(p), Path(p).stat().st_size))
+                items.append((Path(p), Path(p).stat().st_size, os.path.abspath(p)))
             except FileNotFoundError:
                 continue
         with self.budget.lock:
-            self.budget.spool_bytes += sum(n for _, n in items)
-            self._new.extend(items)
+            for p, size, name in items:
+                if name in self._known:
+                    continue
+                self._known.add(name)
+                self.budget.spool_bytes += size
+                self._new.append((p, size))
+
+    def _forget(self, path: Path) -> None:
+        """A file no longer queued (acked, gone, set aside): `add_files` may take it again."""
+        with self.budget.lock:
+            self._known.discard(os.path.abspath(path))
 
     def take_new(self) -> None:
         """(I/O thread) Queue the files written since the last look for replay."""
@@ -228,6 +243,7 @@ class Spooler:
                 self.budget.counters["spooled"] += 1
                 self.budget.counters["spooled_bytes"] += e.nbytes
                 self.budget.spool_bytes += size
+                self._known.add(os.path.abspath(path))
         else:
             path, size = e.spool_path, e.spool_size  # replayed from the spool: it is still there
             self.budget.count("replayed", -1)
@@ -250,8 +266,10 @@ class Spooler:
         before the removal leaves the file of a delivered sample: distill-teacher removes those of
         committed keys before it serves."""
         self.budget.free(held=e.nbytes)
-        if e.spool_path is not None and not self.cfg.keep:
-            self._trash.put((e.spool_path, e.spool_size))
+        if e.spool_path is not None:
+            self._forget(e.spool_path)
+            if not self.cfg.keep:
+                self._trash.put((e.spool_path, e.spool_size))
 
     def _remove(self) -> None:
         """(Remover thread) Unlink the files of acked samples until stop() sends None."""
@@ -309,9 +327,11 @@ class Spooler:
                 p, lock=False, alloc=self.alloc, release=lambda sl: self.free_slot(sl.offset)
             )
         except FileNotFoundError:  # removed since (its sample was committed): nothing to replay
+            self._forget(p)
             self.budget.free(held=size, spool=size)
             return None
         except Exception as err:  # a corrupt file is counted and set aside for inspection
+            self._forget(p)
             self.budget.free(held=size)
             self._set_aside(p, size, err)
             return None

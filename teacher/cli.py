@@ -11,7 +11,9 @@ GENERATE  rows that are neither committed (journal) nor in the spool go through 
           `!lost` records in the journal) are generated again. When the last window is done the
           engine is shut down at once (frees the GPU); its Publisher waits at most
           `teacher.drain_timeout_s` for acks and spools the rest.
-SERVE     this process starts its own Publisher (auto_end=False) on the same endpoints; it replays
+SERVE     once the engine phase's Publisher has released the journal (teacher/serving.py waits for
+          it while it is one of this teacher's processes, at most drain_timeout_s + 90 s), this
+          process starts its own Publisher (auto_end=False) on the same endpoints; it replays
           the spool (files of the engine phase and of earlier runs) until every key is committed
           in the journal, then sends END, waits briefly and exits 0. Keys lost while serving
           (`Publisher.take_lost`) or missing (neither committed nor spooled nor held by anyone)

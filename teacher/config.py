@@ -93,6 +93,10 @@ class ConnectorConfig(ConnectorTuning):
     spool: SpoolConfig = Field(default_factory=SpoolConfig)
     # Append-only file of acknowledged sample keys (the resume record); None: no journal.
     journal: str | None = None
+    # A file of sample keys, one a line: the Publisher replays only those keys' files of spool.dir
+    # at start (distill-teacher writes `<journal>.replay-keys`, its run's keys not committed);
+    # None: every file in spool.dir.
+    replay_keys_file: str | None = None
     # Save generated tokens' states too when a request does not say (`include_output_tokens`).
     include_output_tokens: bool = False
     # Hold `<spool file>.lock` while a sample is undecided, so vLLM's `load_hidden_states` on the

@@ -110,6 +110,7 @@ from teacher.connector_parts import (
     loss_mask,
     spans_ok,
     take_lock,
+    read_replay_keys,
 )
 from teacher.sizing import write_flow
 from teacher.staging import (
@@ -324,7 +325,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             # auto_end=False: the engine does not know whether the run is complete; distill-teacher
             # (or, for `vllm serve`, nobody: a server never ends) decides.
             self._publisher = Publisher(
-                self.cfg.transport, self.cfg.spool, journal=self.cfg.journal, auto_end=False
+                self.cfg.transport,
+                self.cfg.spool,
+                journal=self.cfg.journal,
+                auto_end=False,
+                replay_keys=read_replay_keys(self.cfg.replay_keys_file),
             )
             self._publisher.start()
             logger.info("Distill publisher bound to %s", ", ".join(self.cfg.transport.bind))

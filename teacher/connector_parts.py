@@ -2,7 +2,8 @@
 to the worker per request (`SampleInfo`), the sender thread's input (`SendJob`), the pinned staging
 pool of the CUDA copy path (`PinnedPool`, buffers of at most `teacher.staging_bytes`), the configured-layer-order permutation (`layer_perm`),
 the loss mask built from a request's `loss_spans` (`spans_ok`, `loss_mask`), the spool lock
-(`take_lock`) and the Publisher's stats file (`StatsWriter`). No vLLM import here: only torch and distill.
+(`take_lock`), the Publisher's stats file (`StatsWriter`) and the file of keys whose spool files
+it replays (`write_replay_keys`, `read_replay_keys`). No vLLM import here: only torch and distill.
 """
 
 from __future__ import annotations
@@ -139,6 +140,22 @@ def take_lock(path: str) -> int:
     fd = os.open(lock_path(path), os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
+
+
+def write_replay_keys(path: str | os.PathLike, keys) -> None:
+    """The keys whose spool files the connector's Publisher replays (one a line; atomic)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(k + "\n" for k in sorted(keys)))
+    os.replace(tmp, path)
+
+
+def read_replay_keys(path: str | None) -> set[str] | None:
+    """`write_replay_keys`'s keys; None (replay every spool file) when no file is configured."""
+    if not path:
+        return None
+    with open(path) as f:
+        return set(f.read().splitlines())
 
 
 class StatsWriter:

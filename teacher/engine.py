@@ -15,6 +15,14 @@ import threading
 from teacher.config import ConnectorConfig, TeacherConfig, extraction_engine_args
 
 SPOOL_MARGIN_S = 60.0  # engine shutdown: time to spool what is in memory, beyond drain_timeout_s
+SHUTDOWN_MARGIN_S = 30.0  # beyond drain_timeout_s + SPOOL_MARGIN_S: vLLM's own teardown
+
+
+def shutdown_bound_s(drain_timeout_s: float) -> float:
+    """How long the engine's shutdown may take (its Publisher drains, then spools), after which
+    vLLM kills the engine processes: `shutdown_llm`'s timeout, and how long the serve phase waits
+    for the engine's Publisher to let go of the journal (teacher/serving.py)."""
+    return drain_timeout_s + SPOOL_MARGIN_S + SHUTDOWN_MARGIN_S
 
 
 class EngineDied(Exception):

@@ -13,8 +13,9 @@ from distill.config import ConfigError
 from distill.journal import JournalTail
 from distill.spool import spool_bytes
 from teacher.config import ConnectorConfig, TeacherConfig, model_config, model_dtype
+from teacher.connector_parts import write_replay_keys
 from teacher.data import iter_rows
-from teacher.engine import SPOOL_MARGIN_S, EngineDied, EngineWatchdog, build_llm, shutdown_llm
+from teacher.engine import EngineDied, EngineWatchdog, build_llm, shutdown_bound_s, shutdown_llm
 from teacher.metrics import read_stats_file
 from teacher.preflight import check_endpoints_free, check_journal_free
 from teacher.sizing import note_phase, take_flow
@@ -37,6 +38,7 @@ def connector_config(r: Run, rnd: int) -> ConnectorConfig:
         include_output_tokens=cfg.include_output_tokens,
         verify_dir=str(r.verify_dir) if r.verifier is not None else None,
         stats_path=str(r.stats_path()) if cfg.connector_mode == "stream" else None,
+        replay_keys_file=str(r.replay_keys_path()),
         # No caller reads the returned paths while we run: skip the per-request lock files (a file
         # create + flock + unlink on the engine step for each request); spooled files still get one.
         use_lock=False,
@@ -168,6 +170,8 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
     windows = Windows(r, todo, phase)
     first = windows.first()
     if first[0]:
+        # The engine's Publisher replays this run's spool files only (not another dataset's).
+        write_replay_keys(r.replay_keys_path(), r.required - windows.tail.committed)
         take_flow(cfg.journal)  # a crashed engine's counters are not this phase's
         stats = r.stats_path()
         stats.unlink(missing_ok=True)  # an earlier round's or run's
@@ -221,7 +225,7 @@ def _run_engine(r: Run, conn: ConnectorConfig, windows: Windows, first, stop: St
             # Frees the GPU now: the serve phase needs no engine. The connector waits at most
             # drain_timeout_s for acks, then spools what is unacked.
             t_sd = time.monotonic()
-            shutdown_llm(llm, timeout_s=conn.drain_timeout_s + SPOOL_MARGIN_S + 30)
+            shutdown_llm(llm, timeout_s=shutdown_bound_s(conn.drain_timeout_s))
             log.info("engine shut down in %.1fs", time.monotonic() - t_sd)
             del llm
     if dead is not None:

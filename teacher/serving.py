@@ -5,10 +5,12 @@ missing (neither committed nor spooled nor held by anyone), send the run back to
 from __future__ import annotations
 
 import logging
+import os
 import time
 
-from distill.journal import JournalTail
+from distill.journal import JournalTail, lock_holder
 from distill.spool import list_spool, remove_spool_file, spool_name
+from teacher.engine import shutdown_bound_s
 from teacher.sizing import delta, note_phase, shares
 from teacher.state import Run, ServeFailed, Stop, say
 
@@ -26,12 +28,17 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
     phase = {"phase": "serve", "round": rnd, "served": 0, "lost": 0}
     r.phases.append(phase)
     t_phase = time.monotonic()
+    if not _wait_for_engine_publisher(r, stop):  # before reading the journal: it may still change
+        phase.update(outcome="signal", seconds=round(time.monotonic() - t_phase, 3))
+        return "signal", set()
     tail = JournalTail(r.cfg.journal)
     tail.poll()
     committed0 = len(tail.committed & r.required)
     if not r.spool.keep:
         _remove_committed_spool_files(r, tail.committed)
-    pub = Publisher(transport, r.spool, journal=r.cfg.journal, auto_end=False)
+    # Only this run's spool files: a spool folder shared with another dataset keeps its files.
+    todo = r.required - tail.committed
+    pub = Publisher(transport, r.spool, journal=r.cfg.journal, auto_end=False, replay_keys=todo)
     try:
         pub.start()
     except Exception as e:
@@ -52,7 +59,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
                 raise ServeFailed(f"serving stopped: {e}") from None
             watch.step(time.monotonic())
         if watch.outcome == "done":
-            _send_end(pub, transport, stop)
+            send_end(pub, transport, stop)
     except KeyboardInterrupt:
         watch.outcome = "signal"
         raise
@@ -65,6 +72,55 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
         phase["seconds"] = round(time.monotonic() - t_phase, 3)
         phase["outcome"] = watch.outcome or "gone"
     return watch.outcome, watch.lost
+
+
+def _wait_for_engine_publisher(r: Run, stop: Stop) -> bool:
+    """The engine phase's Publisher (in one of this teacher's vLLM processes) may still hold the
+    journal: vLLM's shutdown returned, but the process has not exited yet (killed at the shutdown
+    bound, or orphaned while it spools what students did not ack). Wait while it lives, with a line
+    every `progress_every_s`, at most `shutdown_bound_s(drain_timeout_s)` (the time vLLM gives its
+    engine to shut down); the serve Publisher takes the lock only once it is free (never two
+    writers). A holder that is not this teacher's gets the Publisher's usual 10 s wait. Returns
+    False on a stop signal; raises ServeFailed when the bound passes."""
+    bound = shutdown_bound_s(r.cfg.drain_timeout_s)
+    t0 = time.monotonic()
+    last_print = t0 - r.cfg.progress_every_s
+    while (pid := lock_holder(r.cfg.journal)) is not None and _ours(pid):
+        now = time.monotonic()
+        if stop.requested:
+            return False
+        if now - t0 > bound:
+            raise ServeFailed(
+                f"the engine's publisher (pid {pid}) still holds the journal {r.cfg.journal} after "
+                f"{bound:.0f}s (teacher.drain_timeout_s + {bound - r.cfg.drain_timeout_s:.0f}s): stop that process"
+            )
+        if now - last_print >= r.cfg.progress_every_s:
+            last_print = now
+            say(
+                f"serving: waiting for the engine's publisher (pid {pid}) to release the journal: it "
+                f"spools what students did not ack ({now - t0:.0f}s, at most {bound:.0f}s)"
+            )
+        time.sleep(0.1)
+    return True
+
+
+def _ours(pid: int) -> bool:
+    """Whether `pid` is one of this teacher's engine processes: a descendant, or one that carries
+    this teacher's pid in its environment (reparented once vLLM's engine core was killed)."""
+    import psutil
+
+    from teacher.reaper import MARK
+
+    me = os.getpid()
+    if pid == me:
+        return False
+    try:
+        p = psutil.Process(pid)
+        if any(a.pid == me for a in p.parents()):
+            return True
+        return p.environ().get(MARK) == str(me)
+    except (psutil.Error, OSError):
+        return False
 
 
 def _note_flow(r: Run, phase: dict, st: dict) -> None:
@@ -198,7 +254,7 @@ def _no_student_hint(cfg) -> str:
     return hint
 
 
-def _send_end(pub, transport, stop: Stop) -> None:
+def send_end(pub, transport, stop: Stop) -> None:
     """END goes out once nothing is waiting or in flight; then it must reach the students."""
     pub.end()
     end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)
@@ -212,9 +268,8 @@ def _send_end(pub, transport, stop: Stop) -> None:
         return
     st = pub.stats()
     log.warning(
-        "every sample is committed, but END was not sent within %.0fs (%d spool files of "
-        "keys outside this dataset still wait, %d in flight): students may wait for a "
-        "teacher until their transport.teacher_wait_s",
+        "every sample is committed, but END was not sent within %.0fs (%d samples still wait, "
+        "%d in flight): students may wait for a teacher until their transport.teacher_wait_s",
         end_wait,
         st.get("spool_files", 0) + st.get("pending", 0),
         st.get("inflight", 0),

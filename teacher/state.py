@@ -175,6 +175,10 @@ class Run:
         """Where the generate phase's connector writes its Publisher's stats (teacher/metrics.py)."""
         return Path(f"{self.cfg.journal}.publisher.json")
 
+    def replay_keys_path(self) -> Path:
+        """The keys whose spool files the generate phase's connector replays (this run's)."""
+        return Path(f"{self.cfg.journal}.replay-keys")
+
     def summary_path(self) -> Path:
         return Path(self.cfg.summary_path or f"{self.cfg.journal}.summary.json")
 

@@ -243,6 +243,122 @@ def test_restart_with_every_key_spooled_serves_the_spool_and_exits_0(assets, tmp
     assert "distill-teacher: serving: committed" in r.stderr  # progress lines
 
 
+# The engine phase's Publisher still draining when the serve phase starts: a real Publisher in a
+# process the teacher started (as vLLM's worker is), holding the journal and two samples a student
+# has not acked for HOLD_S (more than the 10 s the serve phase used to wait), then spooling them.
+_HOLDER = """
+import sys, time, torch
+from distill.config import SpoolConfig, TransportConfig
+from distill.protocol import Sample
+from distill.transport import Publisher
+journal, spool, ep, hold, *keys = sys.argv[1:]
+cfg = TransportConfig(bind=[ep], connect_timeout_s=600, shm="off")
+pub = Publisher(cfg, SpoolConfig(dir=spool), journal=journal, auto_end=False).start()
+for k in keys:
+    t = torch.zeros((3, 3, 128))
+    pub.submit(Sample(key=k, tensors={"hidden_states": t, "token_ids": torch.arange(3)}, layers=[1, 2, 4]))
+print("holding", flush=True)
+time.sleep(float(hold))  # draining: a student holds these samples and does not ack
+pub.close()  # spools them, releases the journal
+"""
+_DRAINING_ENGINE = """
+import subprocess, sys
+import teacher.cli as cli
+def generate(r, todo, stop, rnd):  # the engine generated `todo`; its Publisher holds them
+    args = [r.cfg.journal, str(r.spool_dir), *sys.argv[2:4], *todo]
+    holder = subprocess.Popen([sys.executable, "-c", sys.argv[1], *args], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    return False
+cli.generate = generate
+sys.exit(cli.main(sys.argv[4:]))
+"""
+
+
+def test_serve_phase_waits_for_the_engines_publisher_while_it_drains(assets, tmp_path):
+    """The serve phase starts while the engine's Publisher (a process of this teacher) still holds
+    the journal, draining past 10 s: it waits for it, saying so, then serves what it spooled too."""
+    _, model, _ = assets
+    keys, cfg, ep = _spooled_run(tmp_path, model, 6, 11, student_wait_s=120, progress_every_s=1)
+    for k in keys[:2]:  # generated: in the engine's memory, not yet in the spool
+        (tmp_path / "spool" / spool_name(k)).unlink()
+    hold_s = 12.0
+    engine_ep = f"tcp://127.0.0.1:{faults.free_port()}"
+    args = [_HOLDER, engine_ep, str(hold_s)]
+    with _student(ep) as student:
+        t = time.monotonic()
+        r = subprocess.run(
+            [sys.executable, "-c", _DRAINING_ENGINE, *args, "--config", str(cfg)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        took = time.monotonic() - t
+        student.join(timeout=30)  # END ends it
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert took > hold_s
+    waits = [x for x in r.stderr.splitlines() if "waiting for the engine's publisher" in x]
+    assert len(waits) >= hold_s - 3, r.stderr[-3000:]  # one a second (progress_every_s=1)
+    assert "at most 95s" in waits[0] and "to release the journal" in waits[0]
+    assert student.error is None and student.finished, "the student got END"
+    assert sorted(student.keys) == sorted(keys)  # every sample once, the drained ones too
+    assert set((tmp_path / "journal.txt").read_text().split()) == set(keys)
+
+
+def test_distill_finish_serves_a_served_teachers_spool_and_sends_end(tmp_path):
+    """`distill-finish` (teacher/finish.py) with a `vllm serve` teacher's --kv-transfer-config: what
+    the stopped server spooled reaches the student once, then END; refused while the endpoint is
+    still in use (the server runs). No vLLM: the spool is the server's leftovers."""
+    import zmq
+
+    keys = ["srv-a", "srv-b", "srv-c"]
+    _spool_rows(tmp_path / "spool", keys)
+    ep = f"tcp://127.0.0.1:{faults.free_port()}"
+    extra = {
+        "transport": {"bind": [ep]},
+        "spool": {"dir": str(tmp_path / "spool")},
+        "journal": str(tmp_path / "j.txt"),
+    }
+    kv = json.dumps({"kv_connector": "DistillHiddenStatesConnector", "kv_connector_extra_config": extra})
+    cmd = [sys.executable, "-m", "teacher.finish", "--kv-transfer-config", kv, "--progress-every-s", "1"]
+
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)  # the vllm serve teacher's connector, still running
+    server.bind(ep)
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        server.close(0)
+        ctx.term()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "stop the vllm serve teacher first" in r.stderr
+
+    with _student(ep) as student:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        student.join(timeout=30)  # END ends it
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "distill-finish: END sent" in r.stderr
+    assert student.error is None and student.finished, "the student got END"
+    assert sorted(student.keys) == keys  # each once
+    assert set((tmp_path / "j.txt").read_text().split()) == set(keys)
+    assert list_spool(tmp_path / "spool") == []
+
+
+def test_serve_phase_replays_only_this_runs_spool_files(assets, tmp_path):
+    """A spool folder also holding another dataset's samples: the serve phase replays this run's
+    keys only (one log line names what it left), ends with END, and leaves the others in place."""
+    _, model, _ = assets
+    keys, cfg, ep = _spooled_run(tmp_path, model, 3, 13, student_wait_s=120, progress_every_s=1)
+    _spool_rows(tmp_path / "spool", ["other-0", "other-1"])  # another dataset's, same folder
+    with _student(ep) as student:
+        r = _run(cfg, timeout=120)
+        student.join(timeout=30)  # END ends it
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert student.error is None and student.finished, "the student got END"
+    assert sorted(student.keys) == sorted(keys)  # nothing of the other dataset
+    line = [x for x in r.stderr.splitlines() if "outside this run not replayed" in x]
+    assert len(line) == 1 and ": 2 files of keys" in line[0], r.stderr[-3000:]
+    assert {p.name for p in list_spool(tmp_path / "spool")} == {spool_name("other-0"), spool_name("other-1")}
+    assert "END was not sent" not in r.stderr
+
+
 def test_students_never_come_exit_3_with_the_spool_intact(assets, tmp_path):
     _, model, _ = assets
     _, cfg, _ = _spooled_run(tmp_path, model, 3, 5, student_wait_s=3, progress_every_s=1)

@@ -446,3 +446,34 @@ def test_full_ring_sends_in_frames_counts_and_says_so_once(tmp_path, caplog):
         assert s is not None and s.key == "k006"
         assert sub.stats()["shm_samples"] == 4 and pub.stats()["shm_full"] == 3
         sub.ack(s)
+
+
+def test_spool_files_added_again_are_sent_once(tmp_path):
+    """`add_spool_files` with files of the Publisher's own spool.dir, which `start()` queued
+    already (and the same files twice): each sample is sent once, not once per call."""
+    from distill.spool import list_spool, write_sample
+
+    spool = tmp_path / "spool"
+    for i in range(4):
+        write_sample(spool, _sample(i))
+    cfg = _cfg(tmp_path, shm="off")
+    got: list[str] = []
+    with Publisher(cfg, SpoolConfig(dir=str(spool))) as pub:
+        pub.add_spool_files(list_spool(spool))
+        pub.add_spool_files(list_spool(spool))
+        with Subscriber(cfg) as sub:
+
+            def drained() -> bool:
+                s = sub.get(timeout=0.05)
+                if s is not None:
+                    got.append(s.key)
+                    sub.ack(s)
+                st = pub.stats()
+                return st["acked"] >= 4 and not (st["spool_files"] or st["pending"] or st["inflight"])
+
+            assert wait_until(drained, 15), pub.stats()
+            skipped = sub.stats()["skipped_duplicates"]
+        st = pub.stats()
+    assert sorted(got) == [f"k{i:03d}" for i in range(4)]
+    assert (st["sent"], st["replayed"], skipped) == (4, 4, 0), st
+    assert list_spool(spool) == []
