@@ -108,9 +108,9 @@ from teacher.connector_parts import (
     StatsWriter,
     layer_perm,
     loss_mask,
+    read_replay_keys,
     spans_ok,
     take_lock,
-    read_replay_keys,
 )
 from teacher.sizing import write_flow
 from teacher.staging import (
