@@ -19,6 +19,12 @@ restart `distill-teacher --config <run>`; the student job ended (a rank killed, 
 itself): `accelerate launch ... student.py --config <run> --set student.resume_from=latest`.
 A frozen process needs nothing. Any other exit (an undocumented code, exit 2 on a restart) fails
 the run.
+
+Across hosts (`schedule(seed, hosts=True)`, `Chaos(..., hosts=faults.Hosts(["t", "s"]))`): the
+teacher runs on host t and the student job on host s, network namespaces on one bridge, each with a
+/dev/shm of its own (tcp only, `transport.shm: off`), and one more fault: the students' link down for
+a random time (their cable unplugged on the bridge, then plugged back; both ends lose carrier).
+Nothing to restart for it: what the link took is redelivered once the heartbeats say who is gone.
 """
 
 from __future__ import annotations
@@ -47,37 +53,36 @@ ORPHAN_S = 10.0  # a SIGKILLed teacher's engine processes and /dev/shm files are
 @dataclasses.dataclass
 class Fault:
     delay_s: float  # after the previous fault ended (the first: after the teacher's start)
-    kind: str  # "kill" | "stop"
-    target: str  # "teacher" | "teacher@engine" | "engine" | "teacher-tree" | "rank0" | "rank1"
-    stop_s: float = 0.0
+    kind: str  # "kill" | "stop" | "down"
+    target: str  # "teacher" | "teacher@engine" | "engine" | "teacher-tree" | "rank0" | "rank1" | "link"
+    stop_s: float = 0.0  # how long a process stays stopped, or the link down
 
     def __str__(self) -> str:
+        if self.kind == "down":
+            return f"+{self.delay_s:.1f}s students' link down {self.stop_s:.1f}s"
         what = f"SIGSTOP {self.stop_s:.1f}s" if self.kind == "stop" else "SIGKILL"
         return f"+{self.delay_s:.1f}s {what} {self.target}"
 
 
-def schedule(seed: int, n_faults: tuple[int, int] = (2, 3), max_delay_s: float = 14.0) -> list[Fault]:
+KINDS = ["kill teacher", "kill teacher@engine", "kill engine", "stop teacher-tree", "kill rank", "stop rank"]
+WEIGHTS = [2, 2, 2, 2, 2, 3]
+
+
+def schedule(
+    seed: int, n_faults: tuple[int, int] = (2, 3), max_delay_s: float = 14.0, hosts: bool = False
+) -> list[Fault]:
     """The fault schedule of `seed`: 2-3 faults at random delays against random targets (the first
-    within 35 s of the teacher's start: vLLM's start-up takes about 20 s here)."""
+    within 35 s of the teacher's start: vLLM's start-up takes about 20 s here). `hosts`: the link
+    fault may be drawn too (a seed gives another schedule then)."""
     rng = random.Random(seed)
+    kinds, weights = (KINDS + ["down link"], WEIGHTS + [4]) if hosts else (KINDS, WEIGHTS)
     out = []
     for i in range(rng.randint(*n_faults)):
         delay = round(rng.uniform(1.0, 35.0 if i == 0 else max_delay_s), 1)
-        choice = rng.choices(
-            [
-                "kill teacher",
-                "kill teacher@engine",
-                "kill engine",
-                "stop teacher-tree",
-                "kill rank",
-                "stop rank",
-            ],
-            weights=[2, 2, 2, 2, 2, 3],
-        )[0]
-        kind, target = choice.split()
+        kind, target = rng.choices(kinds, weights=weights)[0].split()
         if target == "rank":
             target = f"rank{rng.randint(0, 1)}"
-        stop_s = round(rng.uniform(0.5, 2 * HB + 4), 1) if kind == "stop" else 0.0
+        stop_s = round(rng.uniform(0.5, 2 * HB + 4), 1) if kind in ("stop", "down") else 0.0
         out.append(Fault(delay, kind, target, stop_s))
     return out
 
@@ -86,10 +91,13 @@ def describe(seed: int, sched: list[Fault]) -> str:
     return f"seed {seed}: " + "; ".join(map(str, sched))
 
 
-def run_file(tmp: Path, teacher_model: Path, n: int, port: int) -> tuple[Path, set[str]]:
+def run_file(
+    tmp: Path, teacher_model: Path, n: int, port: int, teacher_addr: str | None = None
+) -> tuple[Path, set[str]]:
     """Dataset of n rows (8 texts) and the run file: a tiny vLLM teacher paced to the students (a
     512 KiB memory budget and spool limit, about 10 samples each, keep the engine generating while
-    they train; 1 s engine drain), students checkpointing every 4 steps."""
+    they train; 1 s engine drain), students checkpointing every 4 steps. `teacher_addr`: the
+    teacher's host address (across hosts: tcp only)."""
     from distill.tiny import write_tiny_dataset
 
     base = write_tiny_dataset(tmp / "base.jsonl", 8, seed=3, min_words=5, max_words=30)
@@ -97,11 +105,13 @@ def run_file(tmp: Path, teacher_model: Path, n: int, port: int) -> tuple[Path, s
     keys = [f"c{i:04d}" for i in range(n)]
     data = tmp / "data.jsonl"
     data.write_text("".join(json.dumps({"id": k, "text": texts[i % 8]}) + "\n" for i, k in enumerate(keys)))
+    ep = f"tcp://{teacher_addr or '127.0.0.1'}:{port}"
     run = faults.write_run_file(
         tmp / "run.yaml",
         transport={
-            "bind": [f"tcp://127.0.0.1:{port}"],
-            "connect": [f"tcp://127.0.0.1:{port}"],
+            "bind": [ep],
+            "connect": [ep],
+            "shm": "off" if teacher_addr else "auto",
             "credit_samples": 8,
             "connect_timeout_s": 120,
             "heartbeat_interval_s": 0.5,
@@ -133,8 +143,17 @@ def run_file(tmp: Path, teacher_model: Path, n: int, port: int) -> tuple[Path, s
 class Chaos:
     """One schedule against one run; `events` is what happened (printed with any failure)."""
 
-    def __init__(self, procs: Procs, tmp: Path, run: Path, expected: set[str], ranks: int = 2):
+    def __init__(
+        self,
+        procs: Procs,
+        tmp: Path,
+        run: Path,
+        expected: set[str],
+        ranks: int = 2,
+        hosts: faults.Hosts | None = None,
+    ):
         self.procs, self.tmp, self.run_path, self.expected = procs, tmp, run, expected
+        self.hosts = hosts  # teacher on host "t", students on host "s" (None: one host)
         self.n_ranks = ranks
         self.events: list[str] = []
         self.t0 = time.monotonic()
@@ -158,7 +177,7 @@ class Chaos:
             "OMP_NUM_THREADS": "1",
         }
         cmd = [str(BIN / "distill-teacher"), "--config", str(self.run_path)]
-        self.teacher = self.procs.start(f"teacher{self.n_teacher}", cmd, env=env)
+        self.teacher = self.procs.start(f"teacher{self.n_teacher}", cmd, env=env, prefix=self.prefix("t"))
         self.note(f"start teacher{self.n_teacher} (pid {self.teacher.pid})")
 
     def start_students(self, resume: bool) -> None:
@@ -168,8 +187,11 @@ class Chaos:
         if resume:
             cmd += ["--set", "student.resume_from=latest"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.students = self.procs.start(f"students{self.n_students}", cmd, env=env)
+        self.students = self.procs.start(f"students{self.n_students}", cmd, env=env, prefix=self.prefix("s"))
         self.note(f"start students{self.n_students}{' (resume_from=latest)' if resume else ''}")
+
+    def prefix(self, host: str) -> list[str]:
+        return self.hosts.prefix(host, private_shm=True) if self.hosts is not None else []
 
     # -- the user's rules -------------------------------------------------------------------
     def check_orphans(self, final: bool = False) -> None:
@@ -235,6 +257,18 @@ class Chaos:
 
     # -- faults ------------------------------------------------------------------------------
     def inject(self, f: Fault) -> None:
+        if f.kind == "down":  # the students' cable, for stop_s, once samples flow over it
+            if not self.flowing(wait_s=90):
+                self.note(f"fault {f}: no samples acked over the link yet, skipped")
+                return
+            self.note(f"fault {f}")
+            self.hosts.link("s", up=False)
+            try:
+                self.wait(f.stop_s)
+            finally:
+                self.hosts.link("s", up=True)
+                self.note("students' link up")
+            return
         if f.target.startswith("rank"):  # at the first moment it exists (ranks start in ~15 s)
             r = self.rank(int(f.target[-1]), wait_s=60)
             victims = rank_tree(r) if r is not None else []
@@ -271,6 +305,22 @@ class Chaos:
             self.wait(f.stop_s)
         finally:
             faults.thaw(victims)
+
+    def flowing(self, wait_s: float) -> bool:
+        """Whether the current teacher's Publisher has had samples acked (its stats file, written
+        every second by the connector), waiting for it up to `wait_s` (restarts go on)."""
+        stats = self.tmp / "journal.txt.publisher.json"
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and not self.teacher_done:
+            t = self.teacher
+            try:
+                s = json.loads(stats.read_text())
+            except (OSError, ValueError):
+                s = {}
+            if t is not None and f"-{t.pid}-" in str(s.get("teacher_id")) and s.get("acked", 0) > 0:
+                return True
+            self.wait(0.2)
+        return False
 
     def engine_core(self, wait_s: float):
         """The current teacher's engine core, waiting for it up to `wait_s` (restarts go on)."""
