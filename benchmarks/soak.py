@@ -17,9 +17,10 @@ Every `--interval` seconds a sampler (psutil) records, for every process of the 
 (distill-teacher, vLLM's EngineCore, Python's resource tracker, our reaper) and of the student tree
 (the launcher, rank 0, rank 1): RSS, open fds, threads, and the /dev/shm files it maps (count, and
 the bytes they occupy); plus /dev/shm as a whole (bytes used, file count) and the run's own files
-there. The summary per process gives start (once `--warmup` of its samples are committed) / end (the
-last look before every sample was committed) / max (in between), and `flat`: end and max within 10%
-of start for RSS, fds and threads (fds and threads: or at most 2 above it).
+there. The summary per process covers the looks while the teacher generates, from the moment
+`--warmup` of the samples it saw are committed: start / end / max, and `flat`: end and max within
+10% of start for RSS, fds and threads (fds and threads: or at most 2 above it); and RSS's slope in
+bytes per committed sample (bookkeeping that grows with the run, e.g. the ledger, shows there).
 
 At the end, from the processes' own records: trained / lost / twice (the student's metrics.json
 `trained` list), the teacher's summary.json and journal, each process's exit code and whether every
@@ -274,6 +275,8 @@ class Sampler:
         self._keys: set[str] = set()
         self._off = 0
         self._torn = b""
+        self._log_off: dict[str, int] = {}  # teacher name -> bytes of its log read
+        self.generated: set[str] = set()  # teachers whose engine began its shutdown (generation over)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="soak-sampler")
         self.t0 = time.monotonic()
@@ -332,9 +335,27 @@ class Sampler:
                 out += t.tree()
         return out
 
+    def phase(self) -> str:
+        """ "generate" while the current teacher's vLLM engine runs (its log has no "[shutdown]"
+        line of vLLM's client yet), then "serve"."""
+        t = self.run.teacher
+        if t.name not in self.generated:
+            with contextlib.suppress(OSError), open(t.log, "rb") as f:
+                off = self._log_off.get(t.name, 0)
+                f.seek(max(0, off - 64))
+                if b"[shutdown] MPClient" in f.read():
+                    self.generated.add(t.name)
+                self._log_off[t.name] = f.tell()
+        return "serve" if t.name in self.generated else "generate"
+
     def look(self) -> dict:
         committed = self.count_committed()
-        point: dict = {"t": round(time.monotonic() - self.t0, 1), "committed": committed, "procs": {}}
+        point: dict = {
+            "t": round(time.monotonic() - self.t0, 1),
+            "committed": committed,
+            "phase": self.phase(),
+            "procs": {},
+        }
         listing = shm_listing()
         for p in self.procs():
             with contextlib.suppress(psutil.Error):
@@ -375,9 +396,19 @@ def within(start: float, end: float, mx: float, metric: str) -> bool:
     return max(end, mx) <= start * 1.10 + slack
 
 
+def slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ys over xs (None when xs do not vary)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else None
+
+
 def summarize(points: list[dict], samples: int, warmup: float) -> dict:
-    """Per process: start (once `warmup` of the samples it saw committed are), end (the last look
-    before every sample was committed), max in between, and `flat` (max within 10% of start)."""
+    """Per process, over the looks while the teacher generates (phase "generate") once `warmup` of
+    the samples it saw committed are: start (the first), end (the last), max, `flat` (`within`), and
+    RSS's least-squares slope in bytes per committed sample (`rss_per_sample`); `last` is its last
+    look of the run (the serve phase, or its shutdown, included)."""
     names = []
     for pt in points:
         names += [n for n in pt["procs"] if n not in names]
@@ -386,7 +417,9 @@ def summarize(points: list[dict], samples: int, warmup: float) -> dict:
         seen = [pt for pt in points if name in pt["procs"]]
         first_c = seen[0]["committed"]
         mark = first_c + warmup * (samples - first_c)
-        steady = [pt for pt in seen if pt["committed"] < samples] or seen
+        steady = [
+            pt for pt in seen if pt.get("phase", "generate") == "generate" and pt["committed"] < samples
+        ]
         after = [pt for pt in steady if pt["committed"] >= mark]
         rec: dict = {
             "pid": seen[0]["procs"][name]["pid"],
@@ -399,6 +432,9 @@ def summarize(points: list[dict], samples: int, warmup: float) -> dict:
             rec["last"] = {k: seen[-1]["procs"][name][k] for k in (*METRICS, "shm_files", "shm_bytes")}
             out[name] = rec
             continue
+        rec["last"] = {k: seen[-1]["procs"][name][k] for k in (*METRICS, "shm_files", "shm_bytes")}
+        per = slope([pt["committed"] for pt in after], [pt["procs"][name]["rss"] for pt in after])
+        rec["rss_per_sample"] = round(per, 1) if per is not None else None
         flat = True
         for k in (*METRICS, "shm_files", "shm_bytes"):
             vals = [pt["procs"][name][k] for pt in after]
