@@ -96,6 +96,29 @@ def _write(record: Path, data: dict) -> None:
     os.replace(tmp, record)
 
 
+def _ended(p: psutil.Process) -> bool:
+    """Gone, its pid reused, or a zombie: a process whose teacher died is reaped by init (or a
+    container's PID 1, which may never do it), not by us, so its zombie counts as ended."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def wait_ended(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of `procs` still running after up to `timeout` seconds (polled every 50 ms).
+    psutil.wait_procs counts a zombie that is not our child as running and waits the whole timeout
+    for its parent to reap it: the /dev/shm files would wait with it."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in procs if not _ended(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if not _ended(p)]
+    return left
+
+
 def clean(data: dict, skip_pid: int | None = None, grace_s: float = 0.0) -> tuple[list[int], list[str], int]:
     """Kill the recorded processes still running (same pid and start time) after `grace_s` (time
     to end by themselves: Python's resource tracker ends on its own once its clients are gone),
@@ -109,11 +132,11 @@ def clean(data: dict, skip_pid: int | None = None, grace_s: float = 0.0) -> tupl
             if abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
                 victims.append(p)
     if victims and grace_s > 0:
-        _, victims = psutil.wait_procs(victims, timeout=grace_s)
+        victims = wait_ended(victims, grace_s)
     for p in victims:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(victims, timeout=10)
+    wait_ended(victims, 10)
     removed, freed = [], 0
     for entry in shm_files(data.get("shm", [])):
         with contextlib.suppress(OSError):
