@@ -293,9 +293,11 @@ class Chaos:
         if f.kind == "kill":
             if f.target.startswith("teacher"):  # what it started must go with it (teacher/reaper.py)
                 tree = t.tree()
-                self.orphans.append((time.monotonic() + ORPHAN_S, t.name, tree, faults.dev_shm_of(tree)))
+                shm = faults.dev_shm_of(tree)  # (reading every process's maps takes seconds under load)
             faults.signal_all(victims, signal.SIGKILL)
             if f.target.startswith("teacher"):
+                # ORPHAN_S from the kill itself, not from before the maps were read
+                self.orphans.append((time.monotonic() + ORPHAN_S, t.name, tree, shm))
                 self.killed.add(t.pid)
             elif f.target.startswith("rank"):
                 self.killed.add(s.pid)
