@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The whole run on one GPU host: a vLLM teacher streaming to an Accelerate student, and a bare loop.
 
-One command (issue 10's benchmark). It
+One command. It
 
 1. builds the teacher (`distill.tiny.build_tiny_model`, ~0.8B: hidden 2048, 16 layers, bf16) and a
    dataset of `--rows` rows (`write_tiny_dataset`, 50-600 words), and writes `run.yaml`;

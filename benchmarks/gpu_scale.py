@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Many GPUs on one host: T teacher GPUs feeding S student GPUs, several splits in one call (issue 25).
+"""Many GPUs on one host: T teacher GPUs feeding S student GPUs, several splits in one call.
 
 For each split `T+S` of `--split` (e.g. `1+1,1+3,1+7,2+6`), in fresh processes:
 

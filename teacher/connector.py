@@ -173,7 +173,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self.layer_ids = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
         self._perm = layer_perm(self.layer_ids)
         # Test hooks (never set them in a real run): "mislabel" delivers the cache's ascending
-        # order under the configured labels (the bug issue 11 fixed); "flip" adds 1 to the first
+        # order under the configured labels (a mislabelled layer order); "flip" adds 1 to the first
         # value of every sample. The live probe (teacher.verify_every) must catch both.
         self._fault = os.environ.get("DISTILL_TEACHER_TEST_FAULT", "")
         if self._fault == "mislabel":

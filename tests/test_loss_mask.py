@@ -1,4 +1,4 @@
-"""The loss mask from the teacher (issue 13): computed when the teacher tokenizes, carried to the
+"""The loss mask from the teacher: computed when the teacher tokenizes, carried to the
 connector in each request's kv_transfer_params, delivered as `loss_mask` [num_tokens] uint8 in the
 stream and in spool files; `layer_ids: eagle3`.
 

@@ -1,4 +1,4 @@
-"""Multi-node student runs over tcp, with network namespaces as hosts (issue 14).
+"""Multi-node student runs over tcp, with network namespaces as hosts.
 
 Hosts are network namespaces on one bridge (tests/faults.Hosts): a teacher host (or two) and two
 student hosts, each with a /dev/shm of its own (a private tmpfs: no shared memory crosses hosts, so

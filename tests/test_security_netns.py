@@ -1,4 +1,4 @@
-"""The traffic cannot be read on the wire (issue 14), shown with a capture on a namespace link.
+"""The traffic cannot be read on the wire, shown with a capture on a namespace link.
 
 Two hosts as network namespaces on one bridge (tests/faults.Hosts): a teacher (a real distill
 `Publisher` in a small Python process: this file run as a script, role `teacher`) on host t and a
