@@ -73,7 +73,9 @@ def tiny_teacher(tmp_path_factory) -> Path:
 
 
 # Seeded chaos (tests/test_chaos.py): which seeds run.
-CHAOS_CI_SEEDS = [52, 64]  # together: every fault kind (tests/chaos.py schedule)
+# With CHAOS_HOSTS_CI_SEEDS: every fault kind but a rank stopped (seed 64 has that one too; the
+# frozen rank has its own row in tests/test_fault_matrix.py); one seed less keeps CI near 50 min.
+CHAOS_CI_SEEDS = [52]
 # across hosts: the students' link down 8.9 s, SIGSTOP 3.8 s of the teacher's tree, SIGKILL teacher@engine
 CHAOS_HOSTS_CI_SEEDS = [148]
 
