@@ -21,6 +21,7 @@ class Eagle3(Recipe):
     name = "eagle3"
     TERMS = eagle3.TERMS  # each TTT step's loss and top-1 agreement
     partial_positions = False
+    # unused_parameters: the base's False (every draft parameter is on every step's loss path)
 
     def build(self, cfg: StudentConfig, device: torch.device) -> Built:
         """The draft; `head`: the teacher's frozen embeddings, norm and LM head."""
@@ -34,9 +35,6 @@ class Eagle3(Recipe):
 
     def reported_terms(self, cfg: StudentConfig) -> list[str]:
         return eagle3.reported_terms(cfg)
-
-    def unused_parameters(self, cfg: StudentConfig, model) -> bool:
-        return False  # every draft parameter is on the path of every step's loss
 
     def save(self, accelerator: Accelerator, model, cfg: StudentConfig, final: Path) -> None:
         """vLLM's EAGLE-3 layout (student/eagle3.py, export_draft)."""
