@@ -5,7 +5,7 @@
 For a tiny model (hidden 128, 4 layers) and a ~30M-parameter one (hidden 512, 8 layers), with
 random weights built locally:
   plain   vLLM prefill (max_tokens=1) with no extraction
-  stream  extraction + our connector (teacher/connector.py, mode stream): a receiver process
+  stream  extraction + our connector (teacher/connector/plugin.py, mode stream): a receiver process
           (distill Subscriber, shared-memory path) checks every sample (shape, dtype, token ids) and acks
   file    extraction + our connector in spool-only mode writing safetensors to /dev/shm (vLLM's own
           ExampleHiddenStatesConnector cannot run on CPU: teacher/README.md), with a reader process that
@@ -148,8 +148,8 @@ def engine_run(model_name: str, mode: str, args, res_q) -> None:
 
     from vllm import LLM, SamplingParams
 
-    from distill.tiny import build_tiny_model
     from teacher.config import extraction_engine_args
+    from testkit.tiny import build_tiny_model
 
     spec = MODELS[model_name]
     model = build_tiny_model(Path(args.work) / f"model-{model_name}", **spec)

@@ -58,7 +58,8 @@ for p in (str(REPO), str(REPO / "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import gpu_e2e as e2e  # noqa: E402  (assets, run file, processes, commit)
+from benchlib import e2e_results, runfile  # noqa: E402
+from benchlib import procs as bp  # noqa: E402  (assets, run file, processes, commit)
 
 OK_TEACHER = (0, 4)  # 4: done, bad rows skipped
 
@@ -148,14 +149,14 @@ def base_config(args, work: Path) -> tuple[dict, Path, list[dict]]:
         preset="qwen3-8b",
         set=args.set,
     )
-    teacher, data = e2e.build_assets(ns, work)
+    teacher, data = runfile.build_assets(ns, work)
     rows = []
     for n, line in enumerate(Path(data).read_text().splitlines()):
         if line.strip():
             row = json.loads(line)
             row.setdefault("id", f"row-{n:06d}")  # keys must not depend on the shard
             rows.append(row)
-    cfg = e2e.run_config(ns, work, teacher, Path(data), e2e.free_port(), str(work / "spool"))
+    cfg = runfile.run_config(ns, work, teacher, Path(data), bp.free_port(), str(work / "spool"))
     if not args.cpu:
         cfg["teacher"]["gpu_memory_utilization"] = args.gpu_mem  # a GPU of its own
         if "shm_bytes" not in cfg["transport"] and args.shm_gb > 0:
@@ -175,7 +176,7 @@ def write_yaml(path: Path, cfg: dict) -> Path:
 def split_configs(args, base: dict, rows: list[dict], sdir: Path, t: int) -> tuple[list[Path], Path]:
     """T teacher run files (own shard, journal, spool, port) and the students' run file."""
     run_id = f"gpu-scale-{sdir.name}-{int(time.time())}"
-    ports = [e2e.free_port() for _ in range(t)]
+    ports = [bp.free_port() for _ in range(t)]
     eps = [f"tcp://127.0.0.1:{p}" for p in ports]
     teachers = []
     for i in range(t):
@@ -202,7 +203,7 @@ def student_cmd(args, s: int, cfg_path: Path, mixed: str) -> list[str]:
     if s > 1:
         cmd.append("--multi_gpu")
     cmd += ["--num_processes", str(s), "--num_machines", "1", "--mixed_precision", mixed]
-    cmd += ["--dynamo_backend", "no", "--main_process_port", str(e2e.free_port())]
+    cmd += ["--dynamo_backend", "no", "--main_process_port", str(bp.free_port())]
     return cmd + [str(REPO / "student.py"), "--config", str(cfg_path)]
 
 
@@ -217,8 +218,8 @@ def run_split(args, base: dict, rows: list[dict], work: Path, t: int, s: int, gp
         rec["status"] = f"skipped: needs {need} GPUs, {len(gpus)} visible"
         return rec
     tcfgs, scfg = split_configs(args, base, rows, sdir, t)
-    env = e2e.child_env(args.cpu)
-    procs: list[e2e.Proc] = []
+    env = bp.child_env(args.cpu)
+    procs: list[bp.Proc] = []
     t0 = time.time()
     status = "ok"
     try:
@@ -227,7 +228,7 @@ def run_split(args, base: dict, rows: list[dict], work: Path, t: int, s: int, gp
             if not args.cpu:
                 tenv["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * args.tp : (i + 1) * args.tp])
             procs.append(
-                e2e.Proc(
+                bp.Proc(
                     f"teacher{i}",
                     [sys.executable, "-m", "teacher.cli", "--config", str(tc)],
                     sdir / f"teacher_{i}.log",
@@ -240,7 +241,7 @@ def run_split(args, base: dict, rows: list[dict], work: Path, t: int, s: int, gp
         else:
             senv["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[t * args.tp : t * args.tp + s])
         cmd = student_cmd(args, s, scfg, base["student"].get("mixed_precision", "no"))
-        students = e2e.Proc("students", cmd, sdir / "students.log", senv)
+        students = bp.Proc("students", cmd, sdir / "students.log", senv)
         rec["pinning"] = {
             p.name: "cpu" if args.cpu else tenv_of(p, tcfgs, gpus, args, t, s) for p in procs + [students]
         }
@@ -248,7 +249,7 @@ def run_split(args, base: dict, rows: list[dict], work: Path, t: int, s: int, gp
             f"split {name}: {t} teacher(s) pids {[p.p.pid for p in procs]}, students pid {students.p.pid}; logs {sdir}"
         )
         status = wait_all(args, procs, students, sdir)
-    except e2e.Interrupted as e:
+    except bp.Interrupted as e:
         status = f"interrupted ({e})"
         raise
     finally:
@@ -333,7 +334,7 @@ def generate_phase_sizing(teacher_log: Path, summary: dict) -> dict | None:
     from teacher import sizing as tsizing
 
     text = teacher_log.read_text(errors="replace") if teacher_log.exists() else ""
-    stats = e2e.parse_teacher(text).get("teacher_publisher_stats") or []
+    stats = e2e_results.parse_teacher(text).get("teacher_publisher_stats") or []
     stats = [d for d in stats if "flow_s" in d and "-gen" in str(d.get("teacher_id", "-gen"))]
     if not stats:
         return None
@@ -451,8 +452,8 @@ def main(argv=None) -> int:
         args.rows = 40 if args.cpu else 2000
     if args.cpu and args.tp > 1:
         raise SystemExit("gpu_scale: --tp > 1 is for GPU hosts")
-    signal.signal(signal.SIGTERM, e2e._on_signal)
-    signal.signal(signal.SIGINT, e2e._on_signal)
+    signal.signal(signal.SIGTERM, bp.on_signal)
+    signal.signal(signal.SIGINT, bp.on_signal)
     t_start = time.monotonic()
     work = Path(args.work_dir).resolve()
     out_dir = Path(args.out_dir).resolve() if args.out_dir else work
@@ -464,7 +465,7 @@ def main(argv=None) -> int:
         "bench": "gpu_scale",
         "gpu": gpu,
         "gpus": n,
-        "commit": args.commit or e2e._git_commit(),
+        "commit": args.commit or bp.git_commit(),
         "workload": args.workload,
         "tp": args.tp,
         "rows": args.rows,
@@ -486,7 +487,7 @@ def main(argv=None) -> int:
                 f"split {rec['split']}: {rec['status']}, trained {rec.get('samples_trained')}/{rec.get('samples_expected')} "
                 f"(twice {rec.get('samples_twice')}), {rec.get('samples_s')} samples/s"
             )
-    except e2e.Interrupted as e:
+    except bp.Interrupted as e:
         status = f"interrupted ({e})"
     except Exception as e:
         import traceback

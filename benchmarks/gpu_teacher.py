@@ -11,7 +11,7 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     B    vLLM's ExampleHiddenStatesConnector writing one safetensors file per request to
          ``--storage`` (/dev/shm), and a reader *process* (8 threads) that loads every file with
          vLLM's ``load_hidden_states`` while ``generate()`` runs, checks it and deletes it
-    C    our connector (teacher/connector.py) streaming to student-side receiver process(es)
+    C    our connector (teacher/connector/plugin.py) streaming to student-side receiver process(es)
          (``distill.transport.Subscriber``) on this host, ``transport.shm=auto`` (shared memory)
     Cp   as C with ``pinned_buffers: 32`` given explicitly (the connector's default since the
          first GPU run, which used 4; kept so the old figures can be re-made)
@@ -21,16 +21,18 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     C1   as C with 1 layer id (``--layers1``);  C8: as C with 8 layer ids (``--layers8``)
     D    as C over tcp with ``transport.shm=off``; ``D:4`` spreads the load over 4 receivers
          (4 tcp connections, the publisher hands each sample to one student by credit)
-    Cx, C8x, Dx   as C, C8, D with ``transport.checksum: xxh3`` (the default: one xxh3-64 pass
-         over every byte on the connector's sender thread)
-    Ct, C8t, Dt   as C, C8, D with ``transport.checksum: xxh3-tree`` (4 MiB leaves hashed by the
-         connector's copy threads once the sample is out of pinned memory)
+    Cx, C8x, Dx   as C, C8, D with ``transport.checksum: xxh3`` (one xxh3-64 pass over every
+         byte on the connector's sender thread)
+    Ct, C8t, Dt   as C, C8, D with ``transport.checksum: xxh3-tree`` given explicitly (the
+         default: 4 MiB leaves, each hashed by the copy thread that wrote it out of pinned memory)
     Cn, C8n, Dn   as C, C8, D with ``transport.checksum: none``
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
          receivers get bf16 back from ``Subscriber.get``); Ct_fp8 the same with xxh3-tree
     C_loss_mask  as C with ``capture: loss_mask`` and a chat-like loss mask: each request's
          kv_transfer_params carry ``loss_spans`` [[prompt_len // 2, prompt_len]] (the second half
          is the "assistant" answer), so each sample holds the states of half its tokens
+    C_pieces  as C with ``staging_bytes`` 16 MiB, below one sample: every sample is copied off
+         the cache in pieces by the sender thread (the long-prompt path, teacher/connector/staging.py)
     T    our transport alone, no vLLM: Publisher -> Subscriber(s) of samples of the same size
          (``--prompt-len`` x layers x hidden bf16), over shm and over tcp
 
@@ -124,6 +126,8 @@ for _n, _c in (("x", "xxh3"), ("n", "none"), ("t", "xxh3-tree")):  # the same, a
         MODES[_m + _n] = (_kind, _layers, _shm, {**_extra, "transport": {"checksum": _c}})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
 MODES["Ct_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8", "transport": {"checksum": "xxh3-tree"}})
+# teacher.staging_bytes below one sample (32 MiB at 4 layers): every sample in pieces (teacher/connector/staging.py)
+MODES["C_pieces"] = ("ours", "layers", "auto", {"staging_bytes": 16 << 20})
 # teacher.capture: loss_mask with half of every prompt masked (chat_mask: the benchmark's own flag)
 MODES["C_loss_mask"] = ("ours", "layers", "auto", {"capture": "loss_mask", "chat_mask": True})
 DEFAULT_MODES = "A,B,C,C8,D,C_fp8,C_loss_mask"
@@ -383,6 +387,7 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
     res_q.put(("ready", idx))
     cpu0 = time.process_time()
     errors = []
+    busy = 0.0  # seconds checking (one copy of every byte) and acking: this receiver's own work
     while True:
         try:
             if ctrl_q.get_nowait() == "stop":
@@ -398,6 +403,7 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
             continue
         if s is None:
             continue
+        t_got = time.monotonic()
         try:
             r = chk.check(
                 s.tensors["hidden_states"],
@@ -412,12 +418,13 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
             errors.append(repr(e))
             res_q.put(("err", idx, repr(e)))
         sub.ack(s)
+        busy += time.monotonic() - t_got
     st = {}
     try:
         st = dict(sub.stats())
     finally:
         sub.close()
-    st.update(errors=errors[:5], cpu_s=round(time.process_time() - cpu0, 2))
+    st.update(errors=errors[:5], cpu_s=round(time.process_time() - cpu0, 2), busy_s=round(busy, 3))
     res_q.put(("stats", idx, st))
 
 
@@ -543,7 +550,7 @@ def cpu_delta(a, b, wall, top=8):
 
 
 def our_connector_extra(args, shm, endpoint, mode_extra):
-    """kv_connector_extra_config for our connector (teacher/connector.py)."""
+    """kv_connector_extra_config for our connector (teacher/connector/plugin.py)."""
     extra = {
         "transport": {
             "bind": [endpoint],
@@ -584,6 +591,7 @@ def effective_settings(kind, extra) -> dict:
         "queue_samples": cc.queue_samples,
         "hidden_dtype": cc.hidden_dtype,
         "capture": cc.capture,
+        "staging_bytes": cc.staging_bytes,
     }
 
 
@@ -885,6 +893,10 @@ def run_one(args):
             r.update(
                 received=win["samples"],
                 ok=win["ok"],
+                # monotonic clock (one per host, shared by every process): where the time after
+                # generate() went (`tail` in the summary: the sender's last placement vs this)
+                t_generate_end=round(t_b, 4),
+                t_last_received=round(t_c, 4),
                 e2e_s=round(e2e, 3),
                 e2e_tok_s=round(tokens / e2e, 1),
                 hs_gb=round(win["bytes"] / 1e9, 3),
@@ -945,6 +957,22 @@ def run_one(args):
 # ----------------------------------------------------------------------------------------------
 
 
+def _tail(r: dict) -> dict:
+    """Where the last timed pass's time after generate() went: until the connector's sender thread
+    placed its last sample (`sender_s`; the connector's `last_placed_t`) and until the receivers
+    had checked the last one (`receivers_s`). A sender_s close to receivers_s: the sender was
+    behind; a small sender_s: the receivers were."""
+    passes = r.get("passes") or []
+    if not passes or "t_generate_end" not in passes[-1]:
+        return {}
+    p = passes[-1]
+    out = {"receivers_s": round(p["t_last_received"] - p["t_generate_end"], 3)}
+    timing = ((r.get("connector") or {}).get("timing")) or {}
+    if isinstance(timing, dict) and timing.get("last_placed_t"):
+        out["sender_s"] = round(timing["last_placed_t"] - p["t_generate_end"], 3)
+    return out
+
+
 def summarize(results: dict, args) -> dict:
     a = results.get("A", {}).get("generate_tok_s_median")
     out = {
@@ -999,6 +1027,12 @@ def summarize(results: dict, args) -> dict:
                 }
                 for c in r["transport"]
             ]
+        tail = _tail(r)
+        if tail:
+            m["tail"] = tail
+        rs = r.get("receiver_stats") or {}
+        if rs:
+            m["receivers_busy_s"] = {k: v.get("busy_s") for k, v in rs.items() if isinstance(v, dict)}
         out["modes"][mode] = m
         if a and mode != "A":
             rat = {}

@@ -3,7 +3,7 @@
 
 No vLLM: a hidden-state cache of vLLM's layout ([blocks, L, block_size, H], the request's blocks
 scattered in it) is built on `--device`, and each mode takes one sample of `--tokens` tokens off it
-with the connector's own code (teacher/staging.py) into a fresh destination of the sample's size
+with the connector's own code (teacher/connector/staging.py) into a fresh destination of the sample's size
 (what the Publisher holds), checked bitwise against one gather. Each mode runs in a fresh process:
 
     whole         the path of a sample within the bound: one gather (+ fp8 quantization) of the
@@ -39,7 +39,7 @@ def _one(a) -> dict:
     import torch
 
     from distill import fp8
-    from teacher.staging import (
+    from teacher.connector.staging import (
         SLACK,
         Pieces,
         gather_rows,

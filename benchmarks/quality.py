@@ -15,7 +15,7 @@ Steps:
    teacher, the students or the drafts. A byte-level BPE tokenizer (`tokenizers`) is trained on the
    train split; each split is tokenized file by file (files joined by <|endoftext|>) and cut into
    blocks of `block_len` tokens.
-2. **Teacher**: a Qwen3 model (`distill.tiny`'s config helper, transformers' own init) trained from
+2. **Teacher**: a Qwen3 model (`testkit.tiny`'s config helper, transformers' own init) trained from
    scratch on the train blocks for a fixed number of steps, saved with `save_pretrained` (+ the
    tokenizer) so vLLM serves it. Its held-out loss is reported.
 3. **Students**, same student shape (a quarter of the teacher's layers and width), same seed per
@@ -35,14 +35,25 @@ Steps:
    response states), then `python -m student.eagle3_eval` serves the teacher alone, the untrained
    draft (same config, initial weights) and the trained draft with vLLM on held-out prompts: mean
    acceptance length at k=3 and k=5, and whether every greedy output equals the teacher's own.
-   The speculators side by side (`distill-export --format speculators` + speculators' trainer)
-   needs CUDA (speculators 0.9's trainer); on a GPU host it is not run by this script either:
-   `acceptance.k3_speculators` is null with the reason in `speculators_note`.
+   Side by side, speculators' own trainer (speculators 0.9, CUDA only, `--no-speculators` skips
+   it): the prompts our draft trained are generated again into a spool (same teacher and greedy
+   settings; the live stream's samples never all reach the disk), exported with `distill-export
+   --format speculators` (+ a few extra prompts for its validation split), trained with `python -m
+   speculators.train` (1 layer, whole vocabulary, same aux layers, TTT steps, AdamW lr, one epoch,
+   at most our draft's optimizer steps) and its checkpoint served by the same `student.eagle3_eval`:
+   `acceptance.k3_speculators` / `k5_speculators` and the record `speculators` (what differs is in
+   `speculators.differs`). Without CUDA, or when its imports fail, they stay null and
+   `speculators_note` says why; a failure there is recorded in `speculators_note` and the rest of
+   the result stands.
+
+A teacher saved in `--out-dir` by an earlier call with the same settings (corpus, split,
+tokenizer, shape, training) is reused instead of trained again (`teacher_reused: true`), so a long
+run can be resumed in bounded calls.
 
 Ends with one line `RESULT_JSON {...}`: heldout_loss {teacher, ce_only, kd_logits, kd_hidden} (mean
 over seeds, nats per token), heldout_ppl, per_seed, seed_spread (largest max - min over seeds of
 the three students), margins, acceptance {k3_trained, k3_untrained, k5_trained, k5_untrained,
-k3_speculators}, greedy_equal, tokens (trained per student), gpu, commit, and the settings.
+k3_speculators, k5_speculators}, speculators, speculators_note, teacher_reused, greedy_equal, tokens (trained per student), gpu, commit, and the settings.
 `--json PATH` also writes it to a file.
 """
 
@@ -55,6 +66,7 @@ import math
 import os
 import random
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -65,7 +77,8 @@ for p in (str(REPO), str(REPO / "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from gpu_e2e import Proc, _git_commit, accelerate_launcher, child_env, free_port, use_port  # noqa: E402
+from benchlib.procs import Proc, accelerate_launcher, child_env, free_port, git_commit  # noqa: E402
+from benchlib.runfile import use_port  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # sizes per mode
@@ -188,11 +201,11 @@ def read_text(p: Path) -> str:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
-    """Byte-level BPE on the train split (distill.tiny's special tokens and chat template)."""
+    """Byte-level BPE on the train split (testkit.tiny's special tokens and chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from distill.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from testkit.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -241,8 +254,8 @@ def prompts_from(texts: list[str], n: int, seed: int, chars: int = 160) -> list[
 
 
 def qwen3_config(shape: dict, vocab_size: int, tok):
-    """distill.tiny's Qwen3 config, with transformers' usual init (std 0.02) for training."""
-    from distill.tiny import _config
+    """testkit.tiny's Qwen3 config, with transformers' usual init (std 0.02) for training."""
+    from testkit.tiny import _config
 
     eot = tok.convert_tokens_to_ids(EOT)
     cfg = _config("qwen3", **shape, vocab_size=vocab_size, eos_token_id=eot, pad_token_id=eot)
@@ -307,6 +320,35 @@ def train_teacher(S: dict, blocks, tok, out: Path, device: str, seed: int = 0) -
         "train_s": round(train_s, 1),
         "train_loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
     }
+
+
+STAMP = "quality_teacher.json"  # written last into the teacher folder: its settings and record
+
+
+def teacher_stamp(S: dict, root: Path, heldout_frac: float, n_train: int, n_held: int) -> dict:
+    """What the teacher depends on: the corpus and split, the tokenizer, its shape and training."""
+    keys = ("vocab_size", "block_len", "max_files", "teacher", "teacher_steps", "teacher_batch", "teacher_lr")
+    return {
+        "corpus": str(root),
+        "heldout_frac": heldout_frac,
+        "files": [n_train, n_held],
+        **{k: S[k] for k in keys},
+    }
+
+
+def reused_teacher(teacher: Path, stamp: dict) -> dict | None:
+    """The record of a teacher an earlier call trained and saved in full with these settings (its
+    stamp is written after the model, tokenizer and generation config), else None."""
+    try:
+        saved = json.loads((teacher / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    need = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+    if saved.get("settings") != json.loads(json.dumps(stamp)) or not all(
+        (teacher / f).is_file() for f in need
+    ):
+        return None
+    return saved.get("teacher")
 
 
 class _null:
@@ -387,7 +429,7 @@ def run_file(S, tiny: bool, teacher: Path, data: Path, work: Path, spool: Path, 
         "teacher": t,
         "transport": {
             "connect_timeout_s": 300,
-            "heartbeat_timeout_s": 3,  # below the serve phase's END linger (tests/test_eagle3.py)
+            "heartbeat_timeout_s": 3,  # below the serve phase's END linger (tests/student/test_eagle3.py)
             "credit_samples": 32,
         },
         # one reader thread: the serve sends the spool in one order, the same for every student
@@ -631,23 +673,18 @@ def eagle3(
         torch.cuda.empty_cache()  # this process's cached blocks (teacher, students) back to vLLM
     evals = {}
     for k, drafts in ((3, ["none", "untrained", "draft/model"]), (5, ["untrained", "draft/model"])):
-        out = ew / f"eval_k{k}.json"
-        cmd = [
-            sys.executable, "-m", "student.eagle3_eval", "--target", str(teacher), "--prompts", str(held),
-            "--k", str(k), "--max-tokens", str(S["eval_max_tokens"]), "--dtype", S["teacher_dtype"],
-            "--out", str(out),
-        ]  # fmt: skip
-        for d in drafts:
-            cmd += ["--draft", d if d == "none" else str(ew / d)]
-        eenv = dict(env)
-        if tiny:  # the engine core in this process: ~20 s of imports less per engine on 2 cores
-            eenv.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (not for distill-teacher: see
-            # BENCHMARKS.md, its connector places no sample with an in-process engine core)
-        p = Proc(f"eval_k{k}", cmd, ew / f"eval_k{k}.log", eenv)
-        rc = wait(p, timeout)
-        if rc != 0:
-            raise SystemExit(f"quality: eagle3_eval k={k} exited {rc}\n{tail(ew / f'eval_k{k}.log')}")
-        evals[k] = json.loads(out.read_text())
+        evals[k] = eval_drafts(
+            S,
+            tiny,
+            teacher,
+            held,
+            ew,
+            env,
+            k,
+            [d if d == "none" else str(ew / d) for d in drafts],
+            f"eval_k{k}",
+            timeout,
+        )
     alone, u3, t3 = evals[3]
     u5, t5 = evals[5]
     res.update(
@@ -664,12 +701,232 @@ def eagle3(
     return res
 
 
+def eval_drafts(
+    S,
+    tiny,
+    teacher: Path,
+    held: Path,
+    ew: Path,
+    env: dict,
+    k: int,
+    drafts: list[str],
+    name: str,
+    timeout: float,
+) -> list[dict]:
+    """`python -m student.eagle3_eval` on the held-out prompts: one result per draft folder ("none":
+    the teacher alone), all in one process; raises SystemExit with the log's tail when it fails."""
+    out = ew / f"{name}.json"
+    cmd = [
+        sys.executable, "-m", "student.eagle3_eval", "--target", str(teacher), "--prompts", str(held),
+        "--k", str(k), "--max-tokens", str(S["eval_max_tokens"]), "--dtype", S["teacher_dtype"],
+        "--out", str(out),
+    ]  # fmt: skip
+    for d in drafts:
+        cmd += ["--draft", d]
+    eenv = dict(env)
+    if tiny:  # the engine core in this process: ~20 s of imports less per engine on 2 cores
+        eenv.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (not for distill-teacher: see
+        # BENCHMARKS.md, its connector places no sample with an in-process engine core)
+    p = Proc(name, cmd, ew / f"{name}.log", eenv)
+    rc = wait(p, timeout)
+    if rc != 0:
+        raise SystemExit(f"quality: eagle3_eval k={k} ({name}) exited {rc}\n{tail(ew / f'{name}.log')}")
+    return json.loads(out.read_text())
+
+
 SPECULATORS_NOTE = (
     "not run: speculators 0.9's EAGLE-3 Trainer needs an accelerator (train/trainer.py takes "
     "torch.accelerator.current_accelerator() and falls back to device 'cuda' when there is none; its "
-    "draft attention is flex_attention), so it cannot train on a CPU machine; on a GPU host this "
-    "script does not run it either (distill-export --format speculators, then its trainer, by hand)"
+    "draft attention is flex_attention), so it cannot train on a CPU machine"
 )
+
+
+def speculators_missing(device: str, timeout: float = 600) -> str | None:
+    """Why speculators' own EAGLE-3 trainer cannot run here (None: it can)."""
+    if device != "cuda":
+        return SPECULATORS_NOTE
+    # its training path's imports, in a child (datasets, pandas, ... stay out of this process)
+    probe = [sys.executable, "-c", "import speculators.train.cli, speculators.train.config"]
+    try:
+        r = subprocess.run(probe, capture_output=True, text=True, timeout=timeout, env=child_env(False))
+    except subprocess.TimeoutExpired:
+        return f"not run: `import speculators.train.cli` took over {timeout:.0f}s"
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return f"not run: speculators' training path does not import here ({last})"
+    return None
+
+
+def export_cmd() -> list[str]:
+    """`distill-export` beside this interpreter, else the same CLI as a module."""
+    script = Path(sys.executable).parent / "distill-export"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "teacher.export"]
+
+
+def speculators_train_args(
+    S, teacher: Path, data: Path, save: Path, steps: int, train_ratio: float, seed: int = 0
+) -> list[str]:
+    """`python -m speculators.train` flags (speculators 0.9's TrainConfig) for the draft of step 4's
+    settings: 1 layer, the whole vocabulary (no --draft-vocab-size: no d2t/t2d), the same aux layers,
+    TTT steps and decay, AdamW at the same constant lr without weight decay, one epoch of packed
+    batches of `eagle_tokens_per_batch` tokens, at most `steps` optimizer steps."""
+    hs_dtype = "bfloat16" if S["teacher_dtype"] == "bfloat16" else "float32"
+    return [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(teacher),
+        "--data-path", str(data),
+        "--target-layer-ids", *map(str, S["eagle_aux"]),
+        "--num-layers", "1",
+        "--ttt-steps", "3",
+        "--ttt-step-loss-decay", "0.8",
+        "--optimizer", "adamw",
+        "--lr", str(S["eagle_lr"]),
+        "--weight-decay", "0.0",
+        "--scheduler-type", "none",
+        "--epochs", "1",
+        "--max-steps", str(max(1, steps)),
+        "--total-seq-len", str(S["eagle_tokens_per_batch"]),
+        "--train-data-ratio", repr(train_ratio),
+        "--hidden-states-dtype", hs_dtype,
+        "--num-workers", "2",
+        "--on-missing", "raise",
+        "--save-path", str(save),
+        "--log-dir", str(save.parent / "logs"),
+        "--seed", str(seed),
+    ]  # fmt: skip
+
+
+def speculators_checkpoint(save: Path) -> Path:
+    """The last epoch folder speculators' Checkpointer wrote under --save-path (<save>/<epoch>)."""
+    epochs = [d for d in save.iterdir() if d.is_dir() and d.name.isdigit() and (d / "config.json").is_file()]
+    if not epochs:
+        raise SystemExit(f"quality: speculators saved no checkpoint under {save}")
+    return max(epochs, key=lambda d: int(d.name))
+
+
+def speculators_side(
+    S, tiny, teacher: Path, train_texts, work: Path, env: dict, seed: int, timeout: float
+) -> dict:
+    """speculators' own EAGLE-3 trainer on the samples our draft trained (step 4), served by vLLM.
+
+    Our draft trains from the live stream, whose samples never all reach the disk; so the same
+    prompts (exactly the keys our draft's metrics.json lists) plus a few extra train-split prompts
+    for speculators' validation split are generated again by `distill-teacher` with the same
+    engine settings (greedy, `eagle_max_tokens`, the same layers) into a spool, exported with
+    `distill-export --format speculators`, and trained with `python -m speculators.train`
+    (`--train-data-ratio` puts exactly our draft's rows in its train split). Its checkpoint is
+    evaluated with the same `student.eagle3_eval` call as ours, at k = 3 and 5."""
+    ew = work / "eagle3"
+    sw = work / "speculators"
+    shutil.rmtree(sw, ignore_errors=True)
+    sw.mkdir(parents=True)
+    m = json.loads((ew / "draft" / "metrics.json").read_text())
+    trained = {k for k, _, _ in m["trained"]}
+    rows = [
+        json.loads(line) for line in (ew / "prompts_train.jsonl").read_text().splitlines() if line.strip()
+    ]
+    rows = [r for r in rows if r["id"] in trained]
+    n_val = max(2, len(rows) // 64)  # rows of its validation split (not trained on)
+    val = prompts_from(train_texts, n_val, seed=seed + 3)
+    rows += [{"id": f"v-{i:05d}", "text": t} for i, t in enumerate(val)]  # "v-" sorts after "e-"
+    prompts = sw / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    # 1. the samples, generated again into a spool (every sample on disk: nobody connected)
+    gen = sw / "generate"
+    gen.mkdir()
+    n = S["teacher"]["num_layers"]
+    cfg = run_file(S, tiny, teacher, prompts, gen, gen / "spool", free_port(), [*S["eagle_aux"], n])
+    cfg["teacher"].update(
+        max_tokens=S["eagle_max_tokens"], include_output_tokens=True, temperature=0.0, after_generation="exit"
+    )
+    cfg["transport"]["connect_timeout_s"] = 0.1
+    write_yaml(gen / "run.yaml", cfg)
+    t0 = time.time()
+    rc = wait(
+        Proc("spec-generate", [*teacher_cmd(), "--config", str(gen / "run.yaml")], gen / "teacher.log", env),
+        timeout,
+    )
+    if rc != 0:
+        raise SystemExit(
+            f"quality: distill-teacher (speculators' samples) exited {rc}\n{tail(gen / 'teacher.log')}"
+        )
+    gen_s = time.time() - t0
+
+    # 2. our exporter
+    data = sw / "data"
+    cmd = [
+        *export_cmd(), "--format", "speculators", "--spool", str(gen / "spool"), "--out", str(data),
+        "--teacher", str(teacher), "--aux-layers", ",".join(map(str, S["eagle_aux"])),
+    ]  # fmt: skip
+    rc = wait(Proc("export", cmd, sw / "export.log", env), timeout)
+    if rc != 0:
+        raise SystemExit(f"quality: distill-export exited {rc}\n{tail(sw / 'export.log')}")
+    keys = (data / "keys.txt").read_text().split()
+    n_train = sum(1 for k in keys if k.startswith("e-"))
+    # distill-export leaves out samples with nothing in the loss (an all-zero loss_mask: no answer
+    # tokens); our draft's loss had nothing from them either. The rest of ours must come first.
+    if not n_train or not all(k.startswith("e-") for k in keys[:n_train]) or n_train > len(rows) - n_val:
+        raise SystemExit(
+            f"quality: the export's rows are not our draft's {len(rows) - n_val} samples then the "
+            f"validation rows ({n_train} 'e-' rows of {len(keys)}, first {keys[:3]})"
+        )
+    ratio = (n_train + 0.5) / len(keys)  # int(len * ratio) == n_train: the train split is ours
+
+    # 3. speculators' own trainer
+    save = sw / "checkpoints"
+    args = speculators_train_args(S, teacher, data, save, m["summary"]["steps"], ratio, seed)
+    tcmd = [sys.executable, "-m", "speculators.train", *args]
+    t0 = time.time()
+    rc = wait(Proc("speculators", tcmd, sw / "train.log", env), timeout)
+    train_s = time.time() - t0
+    if rc != 0:
+        raise SystemExit(f"quality: speculators.train exited {rc}\n{tail(sw / 'train.log')}")
+    ckpt = speculators_checkpoint(save)
+
+    # 4. the same evaluation as ours
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    alone = json.loads((ew / "eval_k3.json").read_text())[0]
+    held = ew / "prompts_heldout.jsonl"
+    (s3,) = eval_drafts(S, tiny, teacher, held, sw, env, 3, [str(ckpt)], "eval_k3", timeout)
+    (s5,) = eval_drafts(S, tiny, teacher, held, sw, env, 5, [str(ckpt)], "eval_k5", timeout)
+    return {
+        "k3": s3["mean_acceptance_length"],
+        "k5": s5["mean_acceptance_length"],
+        "accepted_per_pos_k3": s3["accepted_per_pos"],
+        "accepted_per_pos_k5": s5["accepted_per_pos"],
+        "greedy_equal": s3["outputs"] == alone["outputs"] and s5["outputs"] == alone["outputs"],
+        "samples": n_train,
+        "left_out_no_loss_tokens": len(rows) - n_val - n_train,
+        "validation_rows": len(keys) - n_train,
+        "our_draft_samples": m["summary"]["samples"],
+        "max_steps": m["summary"]["steps"],
+        "steps": speculators_steps(sw / "train.log"),
+        "generate_s": round(gen_s, 1),
+        "train_s": round(train_s, 1),
+        "checkpoint": str(ckpt),
+        "command": " ".join(["python", "-m", "speculators.train", *args]),
+        "differs": (
+            "samples generated again (same prompts, teacher, greedy settings and layers; not the "
+            "live stream's own tensors); packing: speculators' multipack sampler fills "
+            "--total-seq-len per batch, ours fills max_tokens_per_batch in arrival order, so the step "
+            "counts may differ within one epoch (both see every sample once); speculators' own "
+            "draft design defaults are kept (norm_before_residual, norm_before_fc, norm_output, "
+            "its init and KL loss) and its validation pass runs on the extra rows"
+        ),
+    }
+
+
+def speculators_steps(log: Path) -> int | None:
+    """Optimizer steps speculators' trainer logged: its last `global_step` (counted from 0) + 1;
+    None when its log holds none."""
+    import re
+
+    steps = [int(x) for x in re.findall(r"global_step[\"']?[=:]\s*(\d+)", tail(log, 2_000_000))]
+    return max(steps) + 1 if steps else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -689,6 +946,11 @@ def parse_args(argv=None):
     ap.add_argument("--teacher-steps", type=int)
     ap.add_argument("--student-samples", type=int)
     ap.add_argument("--no-eagle3", action="store_true", help="skip step 4")
+    ap.add_argument(
+        "--no-speculators",
+        action="store_true",
+        help="skip speculators' own trainer beside our draft (step 4)",
+    )
     ap.add_argument("--commit", help="the commit to report (default: git rev-parse HEAD)")
     ap.add_argument("--json", help="also write the result here")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
@@ -737,7 +999,15 @@ def main(argv=None) -> int:
     train_files, held_files = split_corpus(root, args.heldout_frac, S["max_files"])
     train_texts = [read_text(p) for p in train_files]
     held_texts = [read_text(p) for p in held_files]
-    tok = train_tokenizer(train_texts, S["vocab_size"], work / "tokenizer")
+    teacher = work / "teacher"
+    stamp = teacher_stamp(S, root, args.heldout_frac, len(train_files), len(held_files))
+    reused = reused_teacher(teacher, stamp)
+    if reused is not None:  # the tokenizer saved with it (the same train split gives the same one)
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(str(teacher))
+    else:
+        tok = train_tokenizer(train_texts, S["vocab_size"], work / "tokenizer")
     train_blocks = blocks_of(tok, train_texts, S["block_len"])
     held_blocks = blocks_of(tok, held_texts, S["block_len"])
     random.Random(0).shuffle(held_blocks)
@@ -757,8 +1027,16 @@ def main(argv=None) -> int:
     )
 
     # 2. teacher
-    teacher = work / "teacher"
-    res["teacher"] = train_teacher(S, train_blocks, tok, teacher, device)
+    if reused is not None:
+        res["teacher"] = reused
+        log(f"teacher reused from {teacher} (trained by an earlier call with the same settings)")
+    else:
+        shutil.rmtree(teacher, ignore_errors=True)
+        res["teacher"] = train_teacher(S, train_blocks, tok, teacher, device)
+        (teacher / STAMP).write_text(
+            json.dumps({"settings": stamp, "teacher": res["teacher"]}, indent=1) + "\n"
+        )
+    res["teacher_reused"] = reused is not None
     res["teacher"]["shape"] = S["teacher"]
     res["heldout_loss"] = {"teacher": heldout_loss(teacher, held_blocks, device)}
     phase("teacher")
@@ -835,6 +1113,7 @@ def main(argv=None) -> int:
         "k5_trained": None,
         "k5_untrained": None,
         "k3_speculators": None,
+        "k5_speculators": None,
     }
     if not args.no_eagle3:
         e = eagle3(S, tiny, teacher, train_texts, held_texts, work, env, 0, args.timeout)
@@ -847,11 +1126,32 @@ def main(argv=None) -> int:
             f"eagle3: k=3 trained {e['k3_trained']:.3f} untrained {e['k3_untrained']:.3f}, k=5 trained {e['k5_trained']:.3f}"
         )
         phase("eagle3")
+    if args.no_eagle3:
+        res["speculators_note"] = "not run: --no-eagle3 (it trains on our draft's samples)"
+    elif args.no_speculators:
+        res["speculators_note"] = "not run: --no-speculators"
+    else:
+        res["speculators_note"] = speculators_missing(device)
+    if res["speculators_note"] is None:
+        try:
+            sp = speculators_side(S, tiny, teacher, train_texts, work, env, 0, args.timeout)
+            acc["k3_speculators"] = sp["k3"]
+            acc["k5_speculators"] = sp["k5"]
+            res["speculators"] = sp
+            res["speculators_note"] = (
+                "speculators 0.9 trainer on our draft's samples (see speculators.differs)"
+            )
+            log(
+                f"speculators: k=3 {sp['k3']:.3f}, k=5 {sp['k5']:.3f} (ours {acc['k3_trained']:.3f}, {acc['k5_trained']:.3f})"
+            )
+        except (Exception, SystemExit) as ex:  # the rest of the result stands
+            res["speculators_note"] = f"failed: {str(ex)[-2000:]}"
+            log(f"speculators step failed: {str(ex)[-2000:]}")
+        phase("speculators")
     res["acceptance"] = acc
     res["phases_s"] = phases
-    res["speculators_note"] = SPECULATORS_NOTE
     res["gpu"] = torch.cuda.get_device_name(0) if device == "cuda" else None
-    res["commit"] = args.commit or _git_commit()
+    res["commit"] = args.commit or git_commit()
     res["wall_s"] = round(time.time() - t_start, 1)
     line = json.dumps(res)
     if args.json:

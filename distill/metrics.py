@@ -20,7 +20,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from distill.config import ConfigError
+from distill.errors import ConfigError
 
 log = logging.getLogger("distill.metrics")
 

@@ -51,9 +51,13 @@ import torch
 import xxhash
 
 from distill.capture import POSITIONS_KEY, positions_problem
+from distill.errors import ProtocolError
 
 # 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references; 3: the `x3t` digest;
-# 4: a sample may hold the states of some token positions only (`positions`, teacher.capture)
+# 4: a sample may hold the states of some token positions only (`positions`, teacher.capture), and
+# float8 e4m3 tensors (`f8e4m3`) with a per-token `hidden_scale` (teacher.hidden_dtype: fp8).
+# The format of each version is pinned by a fingerprint:
+# tests/distill/test_protocol.py::test_a_change_of_the_wire_format_bumps_the_protocol_version
 PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a header is metadata, never data
 MAX_NDIM = 8
@@ -141,12 +145,6 @@ REJECT_REASONS = (
 )
 
 
-class ProtocolError(ValueError):
-    """A message that does not follow the protocol. `reason` is one of REJECT_REASONS."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
 
 
 @dataclass

@@ -8,9 +8,11 @@ Where a sample is, from `submit` to the end (one owner: the I/O thread, except `
     acked keys wait in their student session until COMMIT (a checkpoint covers them) -> journal.
     A session that ends with acked, uncommitted keys: they are LOST (journal `!lost`, take_lost()).
 
-The parts: distill/students.py (sessions, credit, what each holds), distill/spooler.py (memory and
-spool bounds, counters, spool fallback and replay), distill/shm.py (ring slots),
-distill/security.py (CURVE), distill/journal.py (committed / lost keys, the run id).
+The parts, each an object this I/O loop wires together: distill/student_sessions.py (`StudentSessions`:
+the conversation with students, lost keys), distill/students.py (the session table, credit, what
+each student holds), distill/bounds.py (`Bounds`: memory and spool limits, counters),
+distill/spooler.py (spool fallback and replay), distill/shm.py (ring slots), distill/sockets.py
+(the socket, CURVE), distill/journal.py (committed / lost keys, the run id).
 """
 
 from __future__ import annotations
@@ -29,21 +31,23 @@ import torch
 import zmq
 
 from distill import protocol as P
+from distill.bounds import Bounds
 from distill.config import SpoolConfig, TransportConfig
-from distill.iothread import RateLimitedLog, TransportError, Wake
-from distill.journal import Journal, JournalBusy, check_key, stored_run_id
+from distill.errors import JournalBusy, TransportError
+from distill.iothread import RateLimitedLog, Wake
+from distill.journal import Journal, check_key, stored_run_id
 from distill.protocol import Sample
-from distill.security import router_socket
-from distill.sessions import StudentSessions
 from distill.shm import RingSlot, ShmRing, clean_stale, ring_name
+from distill.sockets import router_socket
 from distill.spool import disk_room, list_spool, spool_name
-from distill.spooler import Budget, Spooler
-from distill.students import Entry, FlowClock, Student, StudentTable
+from distill.spooler import Spooler
+from distill.student_sessions import StudentSessions
+from distill.students import Entry, FlowClock, Student
 
 log = logging.getLogger("distill.transport")
 
 
-class Publisher(StudentSessions):
+class Publisher:
     """Teacher side of the transport. See distill/API.md for the contract."""
 
     def __init__(
@@ -67,16 +71,16 @@ class Publisher(StudentSessions):
         # The spool files `start()` replays: those of these keys (the run's), or every file in
         # spool.dir (None). Other files stay where they are (another dataset's, say).
         self.replay_keys = None if replay_keys is None else set(replay_keys)
-        self._budget = Budget()  # bytes in memory and spool, counters; its lock guards the fields below
-        self._lock = self._budget.lock
-        self._spooler = Spooler(self.spool_cfg, self._budget, self._replay_slot, self._free_ring_offset)
+        # Bytes in memory and spool against their limits, and the counters; its lock guards the
+        # fields below too.
+        self._bounds = Bounds(cfg.max_buffer_bytes, self.spool_cfg.max_bytes)
+        self._lock = self._bounds.lock
+        self._spooler = Spooler(self.spool_cfg, self._bounds, self._replay_slot, self._free_ring_offset)
         self._inbox: collections.deque[Entry] = collections.deque()  # submitted, not yet seen by I/O
         self._seq = 0
         self._stamp = secrets.randbits(40) << 20  # ring slot stamps: unique per publisher
         self._input_closed = False
         self._end_requested = False
-        self._lost: list[str] = []  # keys of sessions that ended uncommitted, not yet taken
-        self._lost_open: set[str] = set()  # lost keys neither submitted again nor committed since
         self._done = threading.Event()  # END sent
         self._idle = threading.Event()  # input closed, nothing waits or is in flight
         self._stop = threading.Event()
@@ -93,9 +97,17 @@ class Publisher(StudentSessions):
         self.run_id = cfg.run_id  # resolved in start()
         # I/O-thread state
         self._pending: collections.deque[Entry] = collections.deque()  # waiting for a student
-        self._students = StudentTable()
+        self._sessions = StudentSessions(
+            cfg,
+            self.tid,
+            send=self._send_frames,
+            bounds=self._bounds,
+            pending=self._pending,
+            release=self._release,
+            reject_log=self._reject_log,
+        )
+        self._students = self._sessions.students  # the sessions' table (dispatch reads credit)
         self._flow = FlowClock()  # who waited on whom (stats: flow_s, student_idle_s, no_credit_s)
-        self._refused: dict[bytes, float] = {}  # ident -> last REFUSE sent (rate limit)
 
     # --- public API (any thread) -------------------------------------------------------------
 
@@ -117,11 +129,13 @@ class Publisher(StudentSessions):
                 self._sock.close(0)
             self._close_journal()
             raise
+        shm = [str(self._ring.path), self._ring.nonce] if self._ring is not None else None
+        self._sessions.open(run_id=self.run_id, journal=self._journal, shm=shm)
         # Samples left in the spool by an earlier run (or the engine phase) are replayed too.
         self.add_spool_files(self._spool_files_to_replay())
         self._thread = threading.Thread(target=self._run, name="distill-publisher", daemon=True)
         self._thread.start()
-        self._spooler.start(self.cfg.max_buffer_bytes, self._wake.set)
+        self._spooler.start(self._wake.set)
         self._started.wait()
         return self
 
@@ -226,21 +240,22 @@ class Publisher(StudentSessions):
         ):
             sample.x3t = P.sample_x3t(sample)  # the connector's CUDA path brings it already
         nbytes = sample.nbytes
-        with self._budget.cond:
-            to_spool = self._wait_for_room(nbytes)
+        b = self._bounds
+        with b.cond:
+            to_spool = b.wait_for_room(nbytes, no_students=self._no_students, stopped=self._stop.is_set)
             self._seq += 1
             sample.seq = self._seq
             sample.teacher = self.tid
-            self._budget.counters["submitted"] += 1
-            self._lost_open.discard(sample.key)
+            b.counters["submitted"] += 1
+            self._sessions.resubmitted(sample.key)  # (its lock is taken inside the bounds' only)
             if to_spool:
-                self._budget.spool_bytes += nbytes  # reserved; corrected to the file's size
+                b.spool_bytes += nbytes  # reserved; corrected to the file's size
             else:
-                self._budget.held_bytes += nbytes
+                b.held_bytes += nbytes
                 e = Entry(sample, nbytes)
                 if slot is not None:
                     e.shm = (slot.offset, slot.offsets, slot.stamp)
-                    self._budget.counters["shm_samples"] += 1
+                    b.counters["shm_samples"] += 1
                 self._inbox.append(e)
         if not to_spool:
             self._wake.set()
@@ -253,37 +268,11 @@ class Publisher(StudentSessions):
         self._wake.set()
         return str(path)
 
-    def _wait_for_room(self, nbytes: int) -> bool:
-        """(Under the lock) Whether the sample goes to the spool (memory full, or no student for
-        connect_timeout_s); when the spool is full too (spool.max_bytes), wait until students take
-        samples, said every 30 s."""
-        b, limit = self._budget, self.spool_cfg.max_bytes
-        waited_since, logged = None, 0.0
-        while True:
-            if self._stop.is_set():
-                raise TransportError("submit() on a closed publisher")
-            no_students = self._students.count == 0 and (
-                time.monotonic() - self._students.last_seen > self.cfg.connect_timeout_s
-            )
-            to_spool = no_students or b.held_bytes + nbytes > self.cfg.max_buffer_bytes
-            if not to_spool or not limit or b.spool_bytes == 0 or b.spool_bytes + nbytes <= limit:
-                break
-            now = time.monotonic()
-            if waited_since is None:
-                waited_since = now
-                b.counters["spool_full_waits"] += 1
-            if now - logged >= 30:
-                logged = now
-                log.warning(
-                    "spool full (%d of %d bytes) and memory full: waiting for students (%.0f s so far)",
-                    b.spool_bytes,
-                    limit,
-                    now - waited_since,
-                )
-            b.cond.wait(0.5)
-        if waited_since is not None:
-            b.counters["spool_full_wait_s"] += time.monotonic() - waited_since
-        return to_spool
+    def _no_students(self) -> bool:
+        """No student connected for transport.connect_timeout_s: new samples go to the spool."""
+        return self._students.count == 0 and (
+            time.monotonic() - self._students.last_seen > self.cfg.connect_timeout_s
+        )
 
     def add_spool_files(self, paths) -> None:
         """Replay these spool files to students too (e.g. written by another process). Files
@@ -314,9 +303,7 @@ class Publisher(StudentSessions):
         """Keys acked by a student session that ended before a checkpoint covered them (they are
         also in the journal as lost): generate and submit them again. With auto_end, END waits
         until each is submitted again (or committed by a student that comes back)."""
-        with self._lock:
-            out, self._lost = self._lost, []
-        return out
+        return self._sessions.take_lost()
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Wait until END was sent: input closed, every sample acked and committed (auto_end), or
@@ -332,8 +319,8 @@ class Publisher(StudentSessions):
         if self._thread is None:
             return
         self._stop.set()
-        with self._budget.cond:
-            self._budget.cond.notify_all()
+        with self._bounds.cond:
+            self._bounds.cond.notify_all()
         self._wake.set()
         self._thread.join()
         self._thread = None
@@ -372,7 +359,7 @@ class Publisher(StudentSessions):
             self._journal = None
 
     def stats(self) -> dict:
-        s = self._budget.snapshot()
+        s = self._bounds.snapshot()
         for k in _ZERO_STATS:
             s.setdefault(k, 0)
         studs = self._students.values()
@@ -413,16 +400,34 @@ class Publisher(StudentSessions):
                     self._recv_all()
                 now = time.monotonic()
                 if now >= next_hb:
-                    self._heartbeat(now)
+                    self._sessions.heartbeat(now)
                     next_hb = now + interval
                 self._dispatch()
-                self._spool_if_abandoned(now)
+                self._spool_if_abandoned()
                 self._check_done()
                 self._tick_flow()
         except Exception as e:  # surfaced to submit() callers; never silent
             log.exception("publisher I/O thread failed")
             self._error = e
             self._started.set()
+
+    def _send_frames(self, ident: bytes, frames: list, copy: bool) -> None:
+        """(StudentSessions' send) One non-blocking send to one student."""
+        self._sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
+
+    def _recv_all(self) -> None:
+        """Every message waiting on the socket, to the sessions."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._sessions.on_message(frames[0].bytes, frames[1:])
+
+    def _release(self, e: Entry) -> None:
+        """An acked sample: its ring slot, memory and spool file are freed."""
+        self._free_ring_slot(e)
+        self._spooler.release(e)
 
     def _tick_flow(self) -> None:
         """(I/O thread, after dispatch) The flow clock: whether the producer may still submit (or
@@ -433,11 +438,9 @@ class Publisher(StudentSessions):
         waiting = bool(self._pending) or self._spooler.ready() > 0
         self._flow.tick(time.monotonic(), self._students, producing, waiting)
 
-    def _spool_if_abandoned(self, now: float) -> None:
+    def _spool_if_abandoned(self) -> None:
         """No student for connect_timeout_s: what waits in memory goes to the spool (replayed later)."""
-        if len(self._students) or not self._pending:
-            return
-        if now - self._students.last_seen <= self.cfg.connect_timeout_s:
+        if not self._pending or not self._no_students():
             return
         n = 0
         while self._pending:
@@ -501,13 +504,13 @@ class Publisher(StudentSessions):
             frames = [P.pack(header)]
         else:
             frames = P.encode_sample(e.sample, checksum=checksum)
-        if not self._send(st.ident, frames, sample=True):
+        if not self._sessions.send(st.ident, frames, sample=True):
             return False
         st.sent(e)
         self._idle.clear()
         with self._lock:
-            self._budget.counters["sent"] += 1
-            self._budget.counters["bytes_sent"] += e.nbytes
+            self._bounds.counters["sent"] += 1
+            self._bounds.counters["bytes_sent"] += e.nbytes
         return True
 
     def _to_ring(self, e: Entry) -> None:
@@ -521,12 +524,12 @@ class Publisher(StudentSessions):
                 slot.tensors[k].copy_(t)
         e.shm = (slot.offset, slot.offsets, slot.stamp)
         e.sample.tensors = dict(slot.tensors)  # the original tensors can be freed now
-        self._budget.count("shm_samples")
+        self._bounds.count("shm_samples")
 
     def _ring_full(self, e: Entry) -> None:
         """Count a same-host send that fell back to frames; say once per cause why, and what to
         change."""
-        self._budget.count("shm_full")
+        self._bounds.count("shm_full")
         cause = "fs" if self._ring.fs_full else "ring"
         if cause in self._ring_full_said:
             return
@@ -566,7 +569,7 @@ class Publisher(StudentSessions):
         studs = self._students.items()
         for ident, st in studs:
             if not st.drain_sent:
-                st.drain_sent = self._send(ident, [P.encode_control(P.DRAIN, tid=self.tid)])
+                st.drain_sent = self._sessions.send(ident, [P.encode_control(P.DRAIN, tid=self.tid)])
         if any(st.inflight for _, st in studs):
             self._idle.clear()
             return
@@ -574,14 +577,13 @@ class Publisher(StudentSessions):
         if self.auto_end:
             if any(st.uncommitted for _, st in studs):
                 return  # students commit at their drain checkpoint (they got DRAIN)
-            with self._lock:
-                if self._lost_open:
-                    return  # the producer has keys to generate again (take_lost)
+            if self._sessions.lost_open():
+                return  # the producer has keys to generate again (take_lost)
         elif not end_requested:
             return
         for ident, st in self._students.items():
             if not st.end_sent:
-                st.end_sent = self._send(ident, [P.encode_control(P.END, tid=self.tid)])
+                st.end_sent = self._sessions.send(ident, [P.encode_control(P.END, tid=self.tid)])
         self._done.set()
 
 

@@ -30,12 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from distill.checkpoints import LATEST, LEDGER, latest, read_ledger
-from distill.journal import Journal, JournalBusy
-
-
-class ReconcileError(Exception):
-    """Bad input; the message says what to fix."""
+from distill.checkpoint_layout import LATEST, LEDGER, latest, read_ledger
+from distill.errors import JournalBusy, ReconcileError
+from distill.journal import Journal
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

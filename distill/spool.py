@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from distill.capture import positions_problem
+from distill.errors import SpoolChecksumError, SpoolFormatError
 from distill.fp8 import dequantize_sample
 from distill.protocol import Sample, digest_mismatch, sample_x3, tensor_bytes
 
@@ -53,8 +54,6 @@ def remove_spool_file(path: str | os.PathLike) -> None:
     lock_path(path).unlink(missing_ok=True)
 
 
-class SpoolChecksumError(ValueError):
-    """A spool file whose tensor bytes do not match the digest (xxh3-64 or CRC32) written with them."""
 
 
 def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
@@ -119,8 +118,6 @@ _DTYPES = {
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-class SpoolFormatError(ValueError):
-    """A file that is not a well-formed safetensors file (header, dtypes, offsets)."""
 
 
 # alloc(specs) -> (tensors to fill, handle) or None: where read_spool_file puts the bytes (e.g. a

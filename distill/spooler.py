@@ -1,7 +1,7 @@
-"""The publisher's bounds and its spool side: `Budget` (bytes held in memory and in the spool, and
-the counters, all under one lock) and `Spooler` (samples that do not fit in memory, or that no
-student takes, go to spool files; the files are replayed to students when credit returns, and
-removed when acked). Used by distill/publisher.py."""
+"""The publisher's spool side: `Spooler` (samples that do not fit in memory, or that no student
+takes, go to spool files; the files are replayed to students when credit returns, and removed when
+acked). The bytes it writes and reads ahead count against the publisher's `distill.bounds.Bounds`.
+Used by distill/publisher.py."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import threading
 import time
 from pathlib import Path
 
+from distill.bounds import Bounds
 from distill.config import SpoolConfig
-from distill.iothread import TransportError
+from distill.errors import TransportError
 from distill.protocol import Sample
 from distill.spool import (
     SPOOL_FULL_ADVICE,
@@ -28,49 +29,6 @@ from distill.spool import (
 from distill.students import Entry
 
 log = logging.getLogger("distill.transport")
-
-
-class Budget:
-    """Bytes a publisher holds in memory (`held_bytes`: inbox + pending + in flight) and in the
-    spool (`spool_bytes`, for spool.max_bytes), and its counters. One lock for all of them; `cond`
-    wakes a producer waiting for room."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
-        self.held_bytes = 0
-        self.spool_bytes = 0
-        self.counters: collections.Counter = collections.Counter()
-        self.rejected: collections.Counter = collections.Counter()  # by reason
-
-    def count(self, name: str, n: float = 1) -> None:
-        with self.lock:
-            self.counters[name] += n
-
-    def reject(self, reason: str) -> None:
-        with self.lock:
-            self.rejected[reason] += 1
-
-    def add(self, *, held: int = 0, spool: int = 0) -> None:
-        with self.lock:
-            self.held_bytes += held
-            self.spool_bytes += spool
-
-    def free(self, *, held: int = 0, spool: int = 0) -> None:
-        """Room again: wakes a waiting producer."""
-        with self.cond:
-            self.held_bytes -= held
-            self.spool_bytes -= spool
-            self.cond.notify_all()
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            s = dict(self.counters)
-            s["buffered_bytes"] = self.held_bytes
-            s["spool_bytes"] = self.spool_bytes
-            s["rejected"] = sum(self.rejected.values())
-            s["rejected_by_reason"] = dict(self.rejected)
-        return s
 
 
 def _no_space(err: Exception) -> bool:
@@ -87,33 +45,32 @@ class Spooler:
 
     Replay reads ahead: while a student is connected (`demand`), `spool.readers` threads (`start`)
     read and check the next files into memory (a ring slot when there is room) while the I/O thread
-    sends, at most `spool.read_ahead` files and never past the publisher's memory budget; the I/O
+    sends, at most `spool.read_ahead` files and never past the publisher's memory bound; the I/O
     thread takes them with `load_next`, which never blocks. Several readers because one reads and
     hashes at ~2 GB/s (pread and xxh3 release the GIL), less than a GPU student takes. With no
     student, files read ahead are given back (memory freed, the files first in line again). Files
     are sent in about the order they were queued (readers finish out of order).
     """
 
-    def __init__(self, cfg: SpoolConfig, budget: Budget, alloc: Alloc | None = None, free_slot=None):
+    def __init__(self, cfg: SpoolConfig, bounds: Bounds, alloc: Alloc | None = None, free_slot=None):
         self.cfg = cfg
-        self.budget = budget
+        self.bounds = bounds
         # Where replayed files are read to (alloc: a ring slot of the publisher, so that no second
         # copy is needed to send them through shared memory) and how such a slot is given back
         # (free_slot(offset)); fresh tensors without.
         self.alloc, self.free_slot = alloc, free_slot
-        # All under budget.lock: written since the I/O thread last looked; to replay, in order; read
+        # All under bounds.lock: written since the I/O thread last looked; to replay, in order; read
         # ahead and checked (entries held in memory); being read now.
         self._new: collections.deque[tuple[Path, int]] = collections.deque()
         self._replay: collections.deque[tuple[Path, int]] = collections.deque()
         self._ready: collections.deque[Entry] = collections.deque()
         self._reading = 0
         self._demand = False
-        self._max_held = 0
         self._wake_io = None
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._trash: queue.SimpleQueue = queue.SimpleQueue()  # (path, size) of acked spool files
-        # (Under budget.lock) Absolute paths of the files queued, read ahead or in flight, until
+        # (Under bounds.lock) Absolute paths of the files queued, read ahead or in flight, until
         # acked or found gone: `add_files` skips them (a file is replayed once, not once per call).
         self._known: set[str] = set()
         self._remover: threading.Thread | None = None
@@ -130,10 +87,10 @@ class Spooler:
         """Files read ahead and not yet taken by the I/O thread."""
         return len(self._ready)
 
-    def start(self, max_held_bytes: int, wake_io) -> None:
-        """Start the reader threads: they keep the publisher's held bytes within `max_held_bytes`
-        and call `wake_io()` when a file is ready."""
-        self._max_held, self._wake_io = max_held_bytes, wake_io
+    def start(self, wake_io) -> None:
+        """Start the reader threads: they keep the publisher's held bytes within its bounds and
+        call `wake_io()` when a file is ready."""
+        self._wake_io = wake_io
         for i in range(self.cfg.readers):
             t = threading.Thread(target=self._read_ahead, name=f"distill-spool-replay-{i}", daemon=True)
             t.start()
@@ -144,9 +101,9 @@ class Spooler:
     def stop(self) -> None:
         """Stop the reader threads. Files read ahead stay in the spool (nothing is lost); their ring
         slots are given back."""
-        with self.budget.cond:
+        with self.bounds.cond:
             self._stop = True
-            self.budget.cond.notify_all()
+            self.bounds.cond.notify_all()
         for t in self._threads:
             t.join()
         self._threads = []
@@ -159,17 +116,17 @@ class Spooler:
     def demand(self, students: bool) -> None:
         """(I/O thread) Whether any student is connected: read ahead only then; without one, what
         was read ahead is given back."""
-        with self.budget.cond:
+        with self.bounds.cond:
             changed = students != self._demand
             self._demand = students
             if changed:
-                self.budget.cond.notify_all()
+                self.bounds.cond.notify_all()
             if students or not self._ready:
                 return
         self._give_back_ready()
 
     def has_new(self) -> bool:
-        """(Under budget.lock) files written since the I/O thread last looked."""
+        """(Under bounds.lock) files written since the I/O thread last looked."""
         return bool(self._new)
 
     def _write(self, sample: Sample) -> Path:
@@ -179,8 +136,8 @@ class Spooler:
         except Exception as err:
             if not _no_space(err):
                 raise
-            with self.budget.lock:
-                n = self.budget.counters["spooled"]
+            with self.bounds.lock:
+                n = self.bounds.counters["spooled"]
             room = disk_room(self.cfg.dir)
             raise TransportError(
                 f"spool.dir {self.cfg.dir} is full ({room[2] if room else 'no space left'}) after {n} "
@@ -194,12 +151,12 @@ class Spooler:
             path = self._write(sample)
             size = path.stat().st_size
         except BaseException:
-            self.budget.add(spool=-reserved)
+            self.bounds.add(spool=-reserved)
             raise
-        with self.budget.lock:
-            self.budget.spool_bytes += size - reserved
-            self.budget.counters["spooled"] += 1
-            self.budget.counters["spooled_bytes"] += sample.nbytes
+        with self.bounds.lock:
+            self.bounds.spool_bytes += size - reserved
+            self.bounds.counters["spooled"] += 1
+            self.bounds.counters["spooled_bytes"] += sample.nbytes
             self._new.append((path, size))
             self._known.add(os.path.abspath(path))
         return path
@@ -213,51 +170,51 @@ class Spooler:
                 items.append((Path(p), Path(p).stat().st_size, os.path.abspath(p)))
             except FileNotFoundError:
                 continue
-        with self.budget.lock:
+        with self.bounds.lock:
             for p, size, name in items:
                 if name in self._known:
                     continue
                 self._known.add(name)
-                self.budget.spool_bytes += size
+                self.bounds.spool_bytes += size
                 self._new.append((p, size))
 
     def _forget(self, path: Path) -> None:
         """A file no longer queued (acked, gone, set aside): `add_files` may take it again."""
-        with self.budget.lock:
+        with self.bounds.lock:
             self._known.discard(os.path.abspath(path))
 
     def take_new(self) -> None:
         """(I/O thread) Queue the files written since the last look for replay."""
-        with self.budget.cond:
+        with self.bounds.cond:
             if self._new:
                 self._replay.extend(self._new)
                 self._new.clear()
-                self.budget.cond.notify_all()
+                self.bounds.cond.notify_all()
 
     def park(self, e: Entry) -> None:
         """(I/O thread) A sample waiting in memory goes (back) to the spool and is replayed later."""
         if e.spool_path is None:
             path = self._write(e.sample)
             size = path.stat().st_size
-            with self.budget.lock:
-                self.budget.counters["spooled"] += 1
-                self.budget.counters["spooled_bytes"] += e.nbytes
-                self.budget.spool_bytes += size
+            with self.bounds.lock:
+                self.bounds.counters["spooled"] += 1
+                self.bounds.counters["spooled_bytes"] += e.nbytes
+                self.bounds.spool_bytes += size
                 self._known.add(os.path.abspath(path))
         else:
             path, size = e.spool_path, e.spool_size  # replayed from the spool: it is still there
-            self.budget.count("replayed", -1)
-        with self.budget.lock:
+            self.bounds.count("replayed", -1)
+        with self.bounds.lock:
             self._replay.append((path, size))
-        self.budget.free(held=e.nbytes)
+        self.bounds.free(held=e.nbytes)
 
     def write_leftover(self, e: Entry) -> None:
         """(Close) A sample in memory that no student acked goes to the spool (never lost)."""
         if e.spool_path is None:
             self._write(e.sample)
-            with self.budget.lock:
-                self.budget.counters["spooled"] += 1
-                self.budget.counters["spooled_bytes"] += e.nbytes
+            with self.bounds.lock:
+                self.bounds.counters["spooled"] += 1
+                self.bounds.counters["spooled_bytes"] += e.nbytes
 
     def release(self, e: Entry) -> None:
         """An acked sample: its memory is freed; its spool file (if any, unless spool.keep) is
@@ -265,7 +222,7 @@ class Spooler:
         the I/O thread would spend not sending), and its spool bytes freed once it is gone. A crash
         before the removal leaves the file of a delivered sample: distill-teacher removes those of
         committed keys before it serves."""
-        self.budget.free(held=e.nbytes)
+        self.bounds.free(held=e.nbytes)
         if e.spool_path is not None:
             self._forget(e.spool_path)
             if not self.cfg.keep:
@@ -279,11 +236,11 @@ class Spooler:
                 remove_spool_file(path)
             except OSError as err:
                 log.warning("cannot remove spool file %s of an acked sample: %s", path, err)
-            self.budget.free(spool=size)
+            self.bounds.free(spool=size)
 
     def load_next(self) -> Entry | None:
         """(I/O thread) The next spool file read ahead into memory, or None when none is ready."""
-        with self.budget.lock:
+        with self.bounds.lock:
             return self._ready.popleft() if self._ready else None
 
     def _read_ahead(self) -> None:
@@ -291,22 +248,22 @@ class Spooler:
         `spool.read_ahead` wait and memory allows. A file that is gone was removed since (its sample
         committed); one that cannot be read is counted and set aside (.corrupt)."""
         while True:
-            with self.budget.cond:
+            with self.bounds.cond:
                 while not self._stop and not self._may_read():
-                    self.budget.cond.wait(0.5)
+                    self.bounds.cond.wait(0.5)
                 if self._stop:
                     return
                 p, size = self._replay.popleft()
                 self._reading += 1
-                self.budget.held_bytes += size  # reserved while it is read (corrected after)
+                self.bounds.held_bytes += size  # reserved while it is read (corrected after)
             e = None
             t0 = time.monotonic()
             try:
                 e = self._read(p, size)
             finally:
-                with self.budget.lock:
+                with self.bounds.lock:
                     self._reading -= 1
-                    self.budget.counters["replay_read_s"] += time.monotonic() - t0
+                    self.bounds.counters["replay_read_s"] += time.monotonic() - t0
                     if e is not None:
                         self._ready.append(e)
             if e is not None and self._wake_io is not None:
@@ -317,8 +274,7 @@ class Spooler:
         ready, and it fits in memory."""
         if not self._demand or not self._replay or len(self._ready) + self._reading >= self.cfg.read_ahead:
             return False
-        held = self.budget.held_bytes
-        return held == 0 or held + self._replay[0][1] <= self._max_held
+        return self.bounds.may_hold(self._replay[0][1])
 
     def _read(self, p: Path, size: int) -> Entry | None:
         """The file as an entry held in memory; `size` bytes of held_bytes were reserved for it."""
@@ -328,40 +284,40 @@ class Spooler:
             )
         except FileNotFoundError:  # removed since (its sample was committed): nothing to replay
             self._forget(p)
-            self.budget.free(held=size, spool=size)
+            self.bounds.free(held=size, spool=size)
             return None
         except Exception as err:  # a corrupt file is counted and set aside for inspection
             self._forget(p)
-            self.budget.free(held=size)
+            self.bounds.free(held=size)
             self._set_aside(p, size, err)
             return None
         e = Entry(s, s.nbytes, spool_path=p, spool_size=size)
-        with self.budget.lock:
-            self.budget.held_bytes += s.nbytes - size
-            self.budget.counters["replayed"] += 1
+        with self.bounds.lock:
+            self.bounds.held_bytes += s.nbytes - size
+            self.bounds.counters["replayed"] += 1
             if slot is not None:
                 e.shm = (slot.offset, slot.offsets, slot.stamp)
-                self.budget.counters["shm_samples"] += 1
+                self.bounds.counters["shm_samples"] += 1
         return e
 
     def _give_back_ready(self) -> None:
         """Files read ahead and not sent: slots and memory freed, the files first in line again."""
-        with self.budget.lock:
+        with self.bounds.lock:
             ready, self._ready = list(self._ready), collections.deque()
             self._replay.extendleft((e.spool_path, e.spool_size) for e in reversed(ready))
-            self.budget.counters["replayed"] -= len(ready)
+            self.bounds.counters["replayed"] -= len(ready)
         for e in ready:
             if e.shm is not None:
                 self.free_slot(e.shm[0])
                 e.shm = None
-            self.budget.free(held=e.nbytes)
+            self.bounds.free(held=e.nbytes)
 
     def _set_aside(self, p: Path, size: int, err: Exception) -> None:
-        self.budget.reject("spool_file")
+        self.bounds.reject("spool_file")
         bad = p.with_name(p.name + ".corrupt")
         try:
             p.rename(bad)  # no longer counts as spooled: distill-teacher generates it again
         except OSError:
             bad = p
         log.error("cannot replay spool file %s (kept as %s): %s", p, bad, err)
-        self.budget.free(spool=size)
+        self.bounds.free(spool=size)

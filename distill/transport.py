@@ -1,6 +1,7 @@
 """Transport: teacher `Publisher` (ROUTER, binds; distill/publisher.py) and student `Subscriber`
 (DEALER, connects; distill/subscriber.py). This module is the import surface and the conversation;
-the publisher's parts: sessions.py, students.py, spooler.py, security.py (distill/API.md).
+their parts are objects in student_sessions.py, students.py, bounds.py, spooler.py, deliveries.py,
+teacher_sessions.py and sockets.py (distill/API.md).
 
 No sample is dropped silently: a teacher sends a sample only against credit that a student granted
 (bounded in samples and bytes), keeps it until the student acknowledges it, and redelivers it to
@@ -38,7 +39,8 @@ to it through a queue and a wake-up pipe.
 
 from __future__ import annotations
 
-from distill.iothread import TeacherGone, TransportError, tune_malloc
+from distill.errors import TeacherGone, TransportError
+from distill.iothread import tune_malloc
 from distill.publisher import Publisher, RingSlot
 from distill.subscriber import Subscriber
 

@@ -79,7 +79,7 @@ def write_assets(out: Path, n: int, distinct: int) -> tuple[Path, Path]:
     student's loss barely moves in one streamed pass. Repeating `distinct` texts under distinct keys
     lets a few dozen optimizer steps show learning, while every row is still its own sample.
     """
-    from distill.tiny import build_tiny_model, write_tiny_dataset
+    from testkit.tiny import build_tiny_model, write_tiny_dataset
 
     teacher = build_tiny_model(out / "teacher", hidden_size=128, num_layers=4, vocab_size=1024, seed=0)
     base = write_tiny_dataset(out / "texts.jsonl", distinct, seed=1, min_words=5, max_words=40)

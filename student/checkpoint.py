@@ -1,6 +1,6 @@
 """Student checkpoints: where they are kept, which one a run resumes from, saving one.
 
-A checkpoint is a `step_*` folder (distill/checkpoints.py: the layout, also read by
+A checkpoint is a `step_*` folder (distill/checkpoint_layout.py: the layout, also read by
 distill-reconcile): Accelerate's `save_state` (model, optimizer, RNG states, the scheduler) plus the
 ledger of trained keys in `ledger.json`, marked `.complete` once every rank's files are in, and
 `latest` pointing at it.
@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, gather_object
 
-from distill.checkpoints import (
+from distill.checkpoint_layout import (
     COMPLETE,
     LEDGER,
     latest,
@@ -36,8 +36,7 @@ from distill.checkpoints import (
 )
 from distill.spool import disk_room
 from student.config import StudentConfig
-from student.data import StudentError
-from student.errors import CheckpointError
+from student.errors import CheckpointError, StudentError
 from student.ledger import Ledger
 
 logger = get_logger(__name__)
@@ -192,7 +191,7 @@ def save_checkpoint(
         why = [e for e in errs if e][0]
         raise CheckpointError(_save_failed(ckpt_dir, path, why), f"checkpoint_{full_or_failed(why)}")
     if saver:
-        logger.info("checkpoint %s (%d samples in the ledger)", path, len(ledger.trained))
+        logger.info("checkpoint %s (%d samples in the ledger)", path, len(ledger))
         if keep:  # only after `latest` points at the new one
             for old in sorted(ckpt_dir.glob("step_*"))[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from distill.config import ConfigError, RunFile, Strict, load_run_file, parse_override, validate
+from distill.config import RunFile, Strict, load_run_file, parse_override, validate
+from distill.errors import ConfigError
 
 
 class LayerPair(Strict):
@@ -168,8 +169,8 @@ class StudentConfig(Strict):
     # Seconds a collective (the per-step agreement, DDP's gradient all-reduce, a checkpoint barrier)
     # may wait for the other ranks before it fails (Accelerate's InitProcessGroupKwargs). A rank
     # whose host vanished without closing its connections is noticed after this long; one whose
-    # process died at once. Either way every surviving rank exits 4 with one line (README, "Lost
-    # nodes"). Keep it well above any pause a rank may take (a long checkpoint save, a frozen rank).
+    # process died at once. Either way every surviving rank exits 4 with one line (student/README.md,
+    # "Multi-node"). Keep it well above any pause a rank may take (a long checkpoint save, a frozen rank).
     collective_timeout_s: float = Field(600.0, gt=0)
     # Log every N optimizer steps (main process).
     log_every: int = Field(10, gt=0)

@@ -1,5 +1,5 @@
 """From teacher Samples to padded training batches. The two sample sources (stream, spool) live in
-student/sources.py and the errors in student/errors.py; both are re-exported here.
+student/sources.py, the errors in student/errors.py (`StudentError` is re-exported here).
 
 A Sample carries `hidden_states` [T, n_layers, H] (layer ids in `sample.layers`) and `token_ids`
 [T]. Received tensors are zero-copy read-only views that die at `ack`, so `collate` copies what it
@@ -19,11 +19,6 @@ import torch
 from distill import fp8
 from distill.protocol import Sample
 from student.errors import StudentError as StudentError
-from student.errors import TeacherGoneError as TeacherGoneError
-from student.sources import SpoolSource as SpoolSource
-from student.sources import StreamSource as StreamSource
-from student.sources import iter_spool_checked as iter_spool_checked
-from student.sources import transport_message as transport_message
 
 
 @dataclass

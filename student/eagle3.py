@@ -58,7 +58,7 @@ from transformers.models.llama.modeling_llama import (
 
 from distill.config import eagle3_layer_ids
 from student.config import StudentConfig
-from student.data import StudentError
+from student.errors import StudentError
 from student.model import TeacherHead, checkpoint_tensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM: llama_eagle3.Eagle3LlamaForCausalLM

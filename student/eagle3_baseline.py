@@ -20,10 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder to write the untrained draft into")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = ap.parse_args(argv)
-    from distill.config import ConfigError
+    from distill.errors import ConfigError
     from student.config import load_student_config
-    from student.data import StudentError
     from student.eagle3 import build_draft, export_draft
+    from student.errors import StudentError
 
     try:
         cfg = load_student_config(args.config, args.set)[0]

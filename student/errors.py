@@ -1,4 +1,5 @@
-"""The student's user-facing errors (printed as one line, without a traceback)."""
+"""The student's user-facing errors (printed as one line, without a traceback). A teacher that is
+gone is the transport's `distill.errors.TeacherGone`, raised as it is up to the exit code."""
 
 from __future__ import annotations
 
@@ -18,7 +19,3 @@ class CheckpointError(StudentError):
     def __init__(self, message: str, reason: str = "checkpoint_disk_full"):
         super().__init__(message)
         self.reason = reason
-
-
-class TeacherGoneError(StudentError):
-    """No teacher was heard for transport.teacher_wait_s: the student stops (exit code 3)."""

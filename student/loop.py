@@ -23,7 +23,7 @@ on every step collectively; each iteration:
    once everything is committed).
 
 After the loop, `wind_down` checkpoints once more (the teacher may record everything acked as done)
-or, when the teacher is gone, saves what was trained and raises TeacherLeft; `finish` gives unacked
+or, when the teacher is gone, saves what was trained and raises TeacherGone (with the samples trained); `finish` gives unacked
 samples back, gathers the ledger and saves the student.
 """
 
@@ -42,13 +42,13 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 
+from distill.errors import TeacherGone
 from distill.protocol import Sample
 from student.checkpoint import attempt, flatten, full_or_failed, room, save_checkpoint
 from student.config import StudentConfig
 from student.data import (
     Batch,
     StudentError,
-    TeacherGoneError,
     TokenBudgetBatcher,
     agree,
     check_sample,
@@ -61,20 +61,12 @@ from student.data import (
     unused_layers_hint,
 )
 from student.errors import CheckpointError
-from student.ledger import Ledger
+from student.ledger import HashSet, Ledger
 from student.metrics import StepMetrics, write_metrics
 from student.recipes import Built
 
 logger = get_logger(__name__)
 CAPPED_HINT_AFTER = 20  # micro-batches cut short by the credit window before the hint is logged
-
-
-class TeacherLeft(Exception):
-    """No teacher was heard for transport.teacher_wait_s on some rank: every rank stops (exit 3)."""
-
-    def __init__(self, why: str, trained: int):
-        super().__init__(why)
-        self.why, self.trained = why, trained  # trained: samples in this lineage's ledger
 
 
 class Col(enum.IntEnum):
@@ -91,7 +83,7 @@ class Col(enum.IntEnum):
 
 class Fault(enum.IntEnum):
     STUDENT = 1  # StudentError: stop with its line (exit 2)
-    TEACHER_GONE = 2  # TeacherGoneError: stop, exit 3
+    TEACHER_GONE = 2  # distill.errors.TeacherGone: stop, exit 3
 
 
 @dataclass
@@ -179,7 +171,7 @@ class Trainer:
         # Every rank keeps the same sets of 64-bit key hashes: `trained_h` (covered by a completed
         # optimizer step, any rank, including the checkpoint's ledger) and `claimed_h` (accepted in
         # the current gradient accumulation). A key in either is never trained again, by any rank.
-        self.trained_h = {key_hash(k) for k in ledger.keys()}
+        self.trained_h = HashSet(key_hash(k) for k in ledger.keys())
         self.claimed_h: set[int] = set()
         self.pending: list[Sample] = []  # samples whose gradients are accumulated; acked after the step
         self.dup_wait: list[Sample] = []  # dropped duplicates: acked after the next step, never trained
@@ -240,7 +232,7 @@ class Trainer:
                     mb.samples, b.layer_ids, pin_memory=self.pin, pad_to_multiple_of=self.pad_to
                 )
                 self.drop_stale(mb)
-        except TeacherGoneError as e:
+        except TeacherGone as e:
             mb = Micro(error=str(e), fault=Fault.TEACHER_GONE)
         except StudentError as e:
             mb = Micro(error=str(e), fault=Fault.STUDENT)
@@ -411,7 +403,7 @@ class Trainer:
         if self.step > self.last_ckpt:
             path = self.save()
             self.last_ckpt = self.step
-            self.progress.ckpt, self.progress.ckpt_samples = str(path), len(self.ledger.trained)
+            self.progress.ckpt, self.progress.ckpt_samples = str(path), len(self.ledger)
         self.source.commit()  # every rank passed save_checkpoint's final barrier: the save is complete
 
     def save(self) -> Path:
@@ -442,7 +434,7 @@ class Trainer:
     def wind_down(self) -> None:
         """Stopping for good (max_steps, end of stream): a checkpoint covers every trained step, so
         the teacher can record everything acked as done (a resumed run would skip nothing else).
-        Teacher gone: save what was trained (nobody to commit to) and raise TeacherLeft."""
+        Teacher gone: save what was trained (nobody to commit to) and raise TeacherGone."""
         cfg = self.cfg
         self.metrics.publish(everything=True)  # every step's record in the ledger before it is saved
         if cfg.checkpoint_every and self.gone is None:
@@ -450,7 +442,7 @@ class Trainer:
         if self.gone is not None:
             if cfg.checkpoint_every and self.step > self.last_ckpt:  # saved, not committed
                 self.save()
-            raise TeacherLeft(self.gone, len(self.trained_h))
+            raise TeacherGone(self.gone, len(self.trained_h))
 
     def finish(self) -> None:
         """Unacked samples go back to the teacher; the ledger is gathered; the student is saved."""
@@ -508,7 +500,7 @@ class Trainer:
             "saved the student to %s (%d steps, %d samples)",
             out_dir / "model",
             self.step,
-            len(self.ledger.trained),
+            len(self.ledger),
         )
 
     def gather_ctl(self, t: torch.Tensor) -> torch.Tensor:

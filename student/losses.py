@@ -4,7 +4,7 @@ Conventions: B = batch, T = tokens (padded), H = hidden size, V = vocabulary. `m
 bool or 0/1, True on real tokens; padded positions never contribute, and an all-padding batch gives
 a loss of exactly 0 (with zero gradients) rather than NaN, so a rank without data can take part in
 a collective step. Every function returns a scalar: the mean over real tokens. Each one is tested
-against a naive per-token reference in tests/test_losses.py.
+against a naive per-token reference in tests/student/test_losses.py.
 
 `loss_mask` (optional, [B, T] bool or 0/1, the teacher's per-token mask: `student.loss_on: masked`)
 narrows the tokens a term is averaged over:

@@ -116,7 +116,7 @@ def write_metrics(path: Path, ledger: Ledger, world: int, source_stats: list[dic
     last = [h["loss"] for h in hist[-max(1, len(hist) // 10) :]]
     summary = {
         "steps": ledger.step,
-        "samples": len(ledger.trained),
+        "samples": len(ledger),
         "tokens": sum(h["tokens"] for h in hist),
         "wait_s": sum(h["wait_s"] for h in hist),
         "loss_first": sum(first) / len(first) if hist else math.nan,

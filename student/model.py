@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from student.config import StudentConfig
-from student.data import StudentError
+from student.errors import StudentError
 
 PROJECTIONS_FILE = "distill_projections.safetensors"
 PROJECTIONS_META = "distill_projections.json"

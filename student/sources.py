@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from distill.protocol import ProtocolError, Sample
-from distill.spool import SpoolChecksumError
-from student.errors import StudentError, TeacherGoneError
+from distill.errors import ProtocolError, SpoolChecksumError, TeacherGone
+from distill.protocol import Sample
+from student.errors import StudentError
 
 # ---------------------------------------------------------------------------------------------
 # Sample sources: the same small interface over a live teacher and a spool folder.
@@ -39,6 +39,7 @@ class SpoolSource:
         self.exhausted = False
         self.draining = True  # nothing will arrive later: never wait for more
         self.wait_s = 0.0  # time spent reading files
+        self.credit_window: int | None = None  # no teacher limits what this rank holds
 
     def get(self, timeout: float = 0.0) -> Sample | None:
         if self._it is None:
@@ -108,7 +109,6 @@ class StreamSource:
         from distill import transport
 
         self._errors = (ProtocolError, transport.TransportError)  # both end the run with a clear message
-        self._gone = transport.TeacherGone  # a TransportError: caught first
         try:
             # fp8 samples stay fp8 until Batch.to dequantizes them on the device (half the host traffic)
             self.sub = transport.Subscriber(
@@ -118,6 +118,11 @@ class StreamSource:
         except self._errors as e:
             raise StudentError(transport_message(e)) from None
         self.wait_s = 0.0  # time blocked waiting for the teacher
+
+    @property
+    def credit_window(self) -> int:
+        """The most unacked samples the teachers let this rank hold."""
+        return self.sub.credit_window
 
     @property
     def exhausted(self) -> bool:
@@ -135,8 +140,8 @@ class StreamSource:
         t0 = time.perf_counter()
         try:
             return self.sub.get(timeout=timeout)
-        except self._gone as e:
-            raise TeacherGoneError(str(e)) from None
+        except TeacherGone:  # a TransportError: caught first, raised as it is (exit 3)
+            raise
         except self._errors as e:
             raise StudentError(transport_message(e)) from None
         finally:

@@ -33,18 +33,20 @@ from accelerate.utils import ProjectConfiguration, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from distill.checkpoints import latest
-from distill.config import ConfigError, RunFile
+from distill.checkpoint_layout import latest
+from distill.config import RunFile
+from distill.errors import ConfigError, TeacherGone
 from student.checkpoint import load_checkpoint, probe_storage, resolve_resume
 from student.config import StudentConfig, load_student_config
-from student.data import SpoolSource, StreamSource, StudentError
+from student.errors import StudentError
 from student.exporter import StudentMetrics
 from student.ledger import Ledger
-from student.loop import Progress, TeacherLeft, Trainer
+from student.loop import Progress, Trainer
 from student.metrics import write_exit
 from student.multinode import PeerTable, first_line, is_peer_failure, local_address, set_gloo_ifname
 from student.recipes import recipe_for
 from student.recipes.base import build_optimizer
+from student.sources import SpoolSource, StreamSource
 
 logger = get_logger(__name__)
 EXIT_USER_ERROR, EXIT_TEACHER_GONE, EXIT_PEER_LOST = 2, 3, 4
@@ -155,7 +157,7 @@ def setup(
     else:
         source = StreamSource(run.transport, ledger.keys(), commit_on_ack=cfg.checkpoint_every == 0)
     # The most unacked samples the teachers let this rank hold (a micro-batch cannot grow beyond it).
-    credit = run.transport.credit_samples * len(run.transport.connect) if cfg.mode == "stream" else None
+    credit = source.credit_window
     bar = tqdm(
         total=cfg.max_steps,
         initial=ledger.step,
@@ -179,13 +181,13 @@ def resume(accelerator: Accelerator, cfg: StudentConfig, progress: Progress) -> 
     folder = resolve_resume(cfg, accelerator.process_index, accelerator.num_processes, where)
     if folder is not None:
         load_checkpoint(accelerator, ledger, folder)
-        progress.ckpt, progress.ckpt_samples = str(folder), len(ledger.trained)
+        progress.ckpt, progress.ckpt_samples = str(folder), len(ledger)
         if accelerator.is_local_main_process:  # one line per node: each may read its own storage
             logger.info(
                 "resumed from %s at step %d (%d samples trained)",
                 folder,
                 ledger.step,
-                len(ledger.trained),
+                len(ledger),
                 main_process_only=False,
             )
     if cfg.max_steps is not None and ledger.step >= cfg.max_steps:
@@ -255,16 +257,15 @@ def run(argv: list[str] | None = None, hold: list | None = None) -> int:
     try:
         cfg, runfile = load_student_config(args.config, args.set)
         if cfg.metrics_port:  # before the process group: a port in use is one line, exit 2
-            credit = runfile.transport.credit_samples * len(runfile.transport.connect)
-            progress.exporter = StudentMetrics(
-                cfg.metrics_port, rank, credit if cfg.mode == "stream" else None
-            )
+            credit = runfile.transport.credit_window if cfg.mode == "stream" else None
+            progress.exporter = StudentMetrics(cfg.metrics_port, rank, credit)
             hold.append(progress.exporter.start())
         hold.append(training_function(cfg, runfile, progress))
         return 0
-    except TeacherLeft as e:
+    except TeacherGone as e:  # raised by the loop once every rank saved what it trained
         # Every rank stops with code 3; only the main one says why, in one line.
-        line = gone_message(e.why, e.trained, cfg, runfile, args.config)
+        trained = e.trained if e.trained is not None else progress.trained
+        line = gone_message(e.why, trained, cfg, runfile, args.config)
         if rank == 0:
             print(f"student stopped: {line}", file=sys.stderr, flush=True)
             write_exit(cfg, progress, EXIT_TEACHER_GONE, "teacher_gone", line)

@@ -5,13 +5,13 @@ A run is a loop of two phases; it ends when every sample of the dataset is COMMI
 what is left and where it is.
 
 GENERATE  rows that are neither committed (journal) nor in the spool go through vLLM with our
-          connector (teacher/connector.py). Its Publisher lives in vLLM's worker process and
+          connector (teacher/connector/plugin.py). Its Publisher lives in vLLM's worker process and
           streams to students (or spools when none is connected / memory is full); it never sends
           END. Keys that students lose meanwhile (their session ended without committing them:
           `!lost` records in the journal) are generated again. When the last window is done the
           engine is shut down at once (frees the GPU); its Publisher waits at most
           `teacher.drain_timeout_s` for acks and spools the rest.
-SERVE     once the engine phase's Publisher has released the journal (teacher/serving.py waits for
+SERVE     once the engine phase's Publisher has released the journal (teacher/run/serve.py waits for
           it while it is one of this teacher's processes, at most drain_timeout_s + 90 s), this
           process starts its own Publisher (auto_end=False) on the same endpoints; it replays
           the spool (files of the engine phase and of earlier runs) until every key is committed
@@ -63,8 +63,8 @@ partial); what was not committed is served or generated again on restart.
 vLLM engine death (an exception out of `llm.generate`, or the engine core process killed): exit 1,
 no END (teacher/engine.py: the watchdog that keeps `llm.generate` from waiting forever).
 
-Modules: teacher/preflight.py (the checks before vLLM), teacher/generate.py (GENERATE),
-teacher/engine.py (vLLM start/stop/watchdog), teacher/serving.py (SERVE), teacher/state.py (the
+Modules: teacher/run/preflight.py (the checks before vLLM), teacher/run/generate.py (GENERATE),
+teacher/engine.py (vLLM start/stop/watchdog), teacher/run/serve.py (SERVE), teacher/run/state.py (the
 run's state, summary JSON, exit codes); this file: the command line and the round loop.
 """
 
@@ -79,19 +79,20 @@ import signal
 import socket
 import sys
 
-from distill.config import ConfigError, SpoolConfig, TransportConfig, load_run_file, parse_override
-from distill.journal import JournalError, OwnerLock
+from distill.config import SpoolConfig, TransportConfig, load_run_file, parse_override
+from distill.errors import ConfigError, JournalError
+from distill.journal import OwnerLock
 from distill.metrics import check_port_free
 from distill.spool import SPOOL_FULL_ADVICE, disk_room, spool_bytes
 from teacher import reaper
 from teacher.config import TeacherConfig, load_teacher_config, model_dtype
 from teacher.data import BadRow
-from teacher.engine import EngineDied
-from teacher.generate import generate
+from teacher.errors import EngineDied, ServeFailed
 from teacher.metrics import TeacherMetrics
-from teacher.preflight import check_endpoints_free, check_journal_free, preflight
-from teacher.serving import serve
-from teacher.state import (
+from teacher.run.generate import generate
+from teacher.run.preflight import check_endpoints_free, check_journal_free, preflight
+from teacher.run.serve import serve
+from teacher.run.state import (
     EXIT_CONFIG,
     EXIT_MISSING,
     EXIT_OK,
@@ -99,7 +100,6 @@ from teacher.state import (
     EXIT_STUDENTS_GONE,
     EXIT_VERIFY,
     Run,
-    ServeFailed,
     Stop,
     say,
 )
@@ -109,7 +109,7 @@ log = logging.getLogger("distill.teacher")
 FRUITLESS_ROUNDS = 3  # serve -> generate rounds without a new commit before giving up (exit 3)
 
 
-def run(
+def run_teacher(
     cfg: TeacherConfig,
     transport: TransportConfig,
     spool: SpoolConfig,
@@ -347,7 +347,7 @@ def checked_run(cfg: TeacherConfig, runfile, command: str) -> int:
             check_endpoints_free(runfile.transport)
         if cfg.metrics_port:
             check_port_free(cfg.metrics_port, "teacher.metrics_port")
-        return run(cfg, runfile.transport, runfile.spool, keys, command, bad_rows)
+        return run_teacher(cfg, runfile.transport, runfile.spool, keys, command, bad_rows)
     except ConfigError as e:
         print(f"distill-teacher: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -13,8 +13,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from distill.config import ConfigError, SpoolConfig, Strict, TransportConfig, load_yaml, validate
+from distill.config import SpoolConfig, Strict, TransportConfig, load_yaml, validate
 from distill.config import eagle3_layer_ids as _eagle3_formula
+from distill.errors import ConfigError
+from teacher.errors import DuplicateField
 
 
 def extraction_engine_args(
@@ -269,12 +271,6 @@ def load_teacher_config(data: dict[str, Any] | None) -> TeacherConfig:
     return validate(TeacherConfig, data, prefix="teacher.")
 
 
-class DuplicateField(ValueError):
-    """A JSON object names the same field twice (plain json.loads keeps the last one silently)."""
-
-    def __init__(self, name: str):
-        super().__init__(f"field {name!r} appears twice in one JSON object")
-        self.name = name
 
 
 def _no_duplicate_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distill.config import ConfigError
-from teacher.config import DuplicateField, TeacherConfig, loads_strict
+from distill.errors import ConfigError
+from teacher.config import TeacherConfig, loads_strict
+from teacher.errors import DuplicateField
 
 
 def dataset_format(cfg: TeacherConfig) -> str:

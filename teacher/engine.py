@@ -21,12 +21,10 @@ SHUTDOWN_MARGIN_S = 30.0  # beyond drain_timeout_s + SPOOL_MARGIN_S: vLLM's own 
 def shutdown_bound_s(drain_timeout_s: float) -> float:
     """How long the engine's shutdown may take (its Publisher drains, then spools), after which
     vLLM kills the engine processes: `shutdown_llm`'s timeout, and how long the serve phase waits
-    for the engine's Publisher to let go of the journal (teacher/serving.py)."""
+    for the engine's Publisher to let go of the journal (teacher/run/serve.py)."""
     return drain_timeout_s + SPOOL_MARGIN_S + SHUTDOWN_MARGIN_S
 
 
-class EngineDied(Exception):
-    """The vLLM engine failed (start or mid-run): exit 1, never END."""
 
 
 def _worker_shutdown_timeout(drain_timeout_s: float) -> None:
@@ -75,7 +73,13 @@ def build_llm(cfg: TeacherConfig, conn: ConnectorConfig):
         seed=cfg.seed,
         **extraction_engine_args(cfg.layer_ids, conn.model_dump(mode="json")),
     )
-    args.update(cfg.engine_args)
+    extra = dict(cfg.engine_args)
+    kv = extra.pop("kv_transfer_config", None)
+    if isinstance(kv, dict):  # entries over ours (e.g. a connector subclass: kv_connector + module)
+        args["kv_transfer_config"] = {**args["kv_transfer_config"], **kv}
+    elif kv is not None:
+        args["kv_transfer_config"] = kv
+    args.update(extra)
     return LLM(**args)
 
 

@@ -1,6 +1,6 @@
 """`distill-finish --kv-transfer-config '<JSON>'`: END for the students of a `vllm serve` teacher.
 
-The connector's Publisher in a `vllm serve` teacher (teacher/serve.py) never sends END: a server
+The connector's Publisher in a `vllm serve` teacher (teacher/vllm_serve.py) never sends END: a server
 never knows that a run is complete. Once every request is in, stop the server (Ctrl-C or SIGTERM:
 its connector gives students `drain_timeout_s` to ack what they hold and spools the rest), then
 run this command with the same `--kv-transfer-config` JSON the server got (or only its
@@ -30,12 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-from distill.config import ConfigError
-from distill.journal import Journal, JournalError
+from distill.errors import ConfigError, JournalError
+from distill.journal import Journal
 from teacher.config import ConnectorConfig
-from teacher.preflight import check_endpoints_free
-from teacher.serving import send_end
-from teacher.state import Stop
+from teacher.run.preflight import check_endpoints_free
+from teacher.run.serve import send_end
+from teacher.run.state import Stop
 
 log = logging.getLogger("distill.teacher")
 

@@ -3,7 +3,7 @@
 One endpoint for the whole `distill-teacher` run, served by the distill-teacher process itself:
 
 - GENERATE: the Publisher lives in vLLM's worker; the connector writes its `Publisher.stats()` to
-  `<journal>.publisher.json` every second and once more when it closes (teacher/connector.py,
+  `<journal>.publisher.json` every second and once more when it closes (teacher/connector/plugin.py,
   `ConnectorConfig.stats_path`); this process reads that file at scrape time.
 - SERVE: this process's own Publisher; its `stats()` at scrape time.
 
@@ -20,7 +20,8 @@ import json
 import threading
 from pathlib import Path
 
-from distill.journal import JournalError, JournalTail
+from distill.errors import JournalError
+from distill.journal import JournalTail
 from distill.metrics import Metric, MetricsServer, serve
 from distill.spool import list_spool, spool_name
 
@@ -132,7 +133,7 @@ class TeacherMetrics:
     state from the journal and the spool folder."""
 
     def __init__(self, r):
-        self.r = r  # teacher.state.Run
+        self.r = r  # teacher.run.state.Run
         self._tail = JournalTail(r.cfg.journal)
         self._lock = threading.Lock()
         self.server: MetricsServer | None = None

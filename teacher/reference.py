@@ -2,7 +2,7 @@
 uses): id 0 = embeddings, k = `hidden_states[k]` (output of decoder layer k-1), L =
 num_hidden_layers = the last decoder layer's output BEFORE the final norm (transformers'
 `hidden_states[L]` is after it). Used by the live probe (teacher/verify.py) and the synthetic
-teacher (teacher/synthetic.py)."""
+teacher (testkit/synthetic_teacher.py)."""
 
 from __future__ import annotations
 

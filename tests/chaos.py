@@ -13,8 +13,8 @@ a random delay after the previous one ended (the first: after the teacher's star
 in vLLM's start-up). What is replayed is the schedule; how the processes are timed against it is up
 to the machine.
 
-Restarts (README.md, "Whatever fails, restarting the same two commands finishes the job", and the
-exit-code paragraphs): the teacher ended (killed, engine died: exit 1, students gone: exit 3):
+Restarts (ARCHITECTURE.md, "Whatever fails": restarting the same two commands finishes the job,
+and "Exit codes"): the teacher ended (killed, engine died: exit 1, students gone: exit 3):
 restart `distill-teacher --config <run>`; the student job ended (a rank killed, or exit 3 / 4 by
 itself): `accelerate launch ... student.py --config <run> --set student.resume_from=latest`.
 A frozen process needs nothing. Any other exit (an undocumented code, exit 2 on a restart) fails
@@ -45,7 +45,7 @@ PY = sys.executable
 BIN = Path(PY).parent
 HB = 3.0  # transport.heartbeat_timeout_s
 
-TEACHER_CODES = {0, 1, 3}  # done, engine died, students gone (README "Exit codes")
+TEACHER_CODES = {0, 1, 3}  # done, engine died, students gone (ARCHITECTURE.md "Exit codes")
 STUDENT_CODES = {0, 3, 4}  # done, teacher gone, a peer rank gone
 ORPHAN_S = 10.0  # a SIGKILLed teacher's engine processes and /dev/shm files are gone within this
 
@@ -98,7 +98,7 @@ def run_file(
     512 KiB memory budget and spool limit, about 10 samples each, keep the engine generating while
     they train; 1 s engine drain), students checkpointing every 4 steps. `teacher_addr`: the
     teacher's host address (across hosts: tcp only)."""
-    from distill.tiny import write_tiny_dataset
+    from testkit.tiny import write_tiny_dataset
 
     base = write_tiny_dataset(tmp / "base.jsonl", 8, seed=3, min_words=5, max_words=30)
     texts = [json.loads(line)["text"] for line in base.read_text().splitlines()]

@@ -7,7 +7,7 @@ tiny_teacher   a tiny random Qwen3 teacher (hidden 128, 4 layers, vocab 1024), b
 netns_hosts    a function: netns_hosts(["t", "s0"]) -> tests/faults.Hosts (network namespaces on one
                bridge); skips the test, with the reason, where namespaces cannot be made; at teardown
                every process of `procs` is killed first, then the namespaces are deleted
-chaos_seed     the seeds of tests/test_chaos.py: CHAOS_CI_SEEDS (across hosts: CHAOS_HOSTS_CI_SEEDS), or `--chaos-seed S` (repeatable; env
+chaos_seed     the seeds of tests/system/test_chaos.py: CHAOS_CI_SEEDS (across hosts: CHAOS_HOSTS_CI_SEEDS), or `--chaos-seed S` (repeatable; env
                CHAOS_SEED=S[,S2]) to replay a schedule, or `--chaos-seeds N` for N random seeds
 """
 
@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/faults.py, tests/waiting.py
+_HERE = Path(__file__).resolve().parent
+# tests/faults.py, tests/waiting.py, ...; and the test folders, so that a test file can reuse another's
+# helpers by module name (`from test_teacher_cli import _run`): basenames are unique across folders.
+for _d in ("", "distill", "teacher", "student", "system"):
+    if str(_HERE / _d) not in sys.path:
+        sys.path.insert(0, str(_HERE / _d))
 
 import faults  # noqa: E402
 
@@ -61,7 +66,7 @@ def netns_hosts(procs):
 
 @pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory) -> Path:
-    from distill.tiny import build_tiny_model
+    from testkit.tiny import build_tiny_model
 
     return build_tiny_model(
         tmp_path_factory.mktemp("tiny_teacher") / "teacher",
@@ -72,16 +77,16 @@ def tiny_teacher(tmp_path_factory) -> Path:
     )
 
 
-# Seeded chaos (tests/test_chaos.py): which seeds run.
+# Seeded chaos (tests/system/test_chaos.py): which seeds run.
 # With CHAOS_HOSTS_CI_SEEDS: every fault kind but a rank stopped (seed 64 has that one too; the
-# frozen rank has its own row in tests/test_fault_matrix.py); one seed less keeps CI near 50 min.
+# frozen rank has its own row in tests/system/test_fault_matrix.py); one seed less keeps CI near 50 min.
 CHAOS_CI_SEEDS = [52]
 # across hosts: the students' link down 8.9 s, SIGSTOP 3.8 s of the teacher's tree, SIGKILL teacher@engine
 CHAOS_HOSTS_CI_SEEDS = [148]
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("chaos", "seeded chaos (tests/test_chaos.py)")
+    group = parser.getgroup("chaos", "seeded chaos (tests/system/test_chaos.py)")
     group.addoption(
         "--chaos-seed",
         type=int,

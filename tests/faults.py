@@ -447,7 +447,7 @@ def write_run_file(path: Path, **sections) -> Path:
 
 def checkpoint_step(ckpt_dir: Path) -> int:
     """The optimizer step of the checkpoint `latest` names in `ckpt_dir`; 0 when there is none."""
-    from distill.checkpoints import latest, step_of
+    from distill.checkpoint_layout import latest, step_of
 
     folder = latest(ckpt_dir)
     return step_of(folder) if folder is not None else 0

@@ -15,7 +15,8 @@ from accelerate import Accelerator
 
 from student import losses
 from student.config import StudentConfig
-from student.data import Batch, StudentError
+from student.data import Batch
+from student.errors import StudentError
 from student.model import DistillModel, TeacherHead, load_student, teacher_config
 from student.recipes.base import Built, Recipe, copy_tokenizer
 

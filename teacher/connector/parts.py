@@ -1,0 +1,189 @@
+"""Self-contained parts of the KV connector (teacher/connector/plugin.py): what travels from the scheduler
+to the worker per request (`SampleInfo`), the sender thread's input (`SendJob`), the pinned staging
+pool of the CUDA copy path (`PinnedPool`, buffers of at most `teacher.staging_bytes`), the configured-layer-order permutation (`layer_perm`),
+the loss mask built from a request's `loss_spans` (`spans_ok`, `loss_mask`), the spool lock
+(`take_lock`), the Publisher's stats file (`StatsWriter`) and the file of keys whose spool files
+it replays (`write_replay_keys`, `read_replay_keys`). No vLLM import here: only torch and distill.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distill.spool import lock_path
+
+logger = logging.getLogger("distill.teacher")
+
+
+@dataclass
+class SampleInfo:
+    """Per-request facts the scheduler learns and the worker needs (travels in the metadata)."""
+
+    key: str
+    meta: dict[str, Any]
+    path: str  # spool path (lock file beside it)
+    verify: bool = False  # a probed request: a copy of what is delivered goes to verify_dir
+    # Loss mask over the prompt as [start, end) spans (kv_transfer_params["loss_spans"]); None:
+    # the request did not say (prompt all ones, or all zeros when generated tokens are kept).
+    loss_spans: list[list[int]] | None = None
+    prompt_len: int = -1  # prompt tokens (set when the request finishes; -1: unknown)
+    capture: str = "all"  # "all" or "loss_mask": which positions' states travel (teacher.capture)
+
+
+@dataclass
+class SendJob:
+    """One sample on its way from the cache to the Publisher (sender thread input)."""
+
+    req_id: str
+    info: SampleInfo
+    token_ids: torch.Tensor  # [T] int64, CPU
+    hidden_states: torch.Tensor  # [T, L, H] CPU (CUDA: a view into a pinned staging buffer)
+    copy_done: Any  # CUDA event to wait on before reading `hidden_states`; None on CPU
+    staging: torch.Tensor | None  # pinned buffer to give back once copied out; None on CPU
+    lock_fd: int | None  # fd holding LOCK_EX on `<path>.lock`; closed once the sample is placed
+    hidden_scale: torch.Tensor | None = None  # [T, L] float32 with hidden_dtype fp8 (else None)
+    model_dtype: torch.dtype | None = None  # what fp8 hidden states stand for (else None)
+    loss_mask: torch.Tensor | None = None  # [T] uint8, computed at extraction (capture loss_mask)
+    positions: torch.Tensor | None = None  # [R] int32: the rows `hidden_states` holds (else all)
+    # A sample over teacher.staging_bytes: its teacher.connector.staging.Pieces, copied by the sender thread
+    # (`hidden_states` and `hidden_scale` are then meta-device placeholders); else None.
+    pieces: Any = None
+
+
+class PinnedPool:
+    """Reused pinned host buffers for device-to-host copies (CUDA only).
+
+    A buffer is taken for one copy and given back by the sender thread as soon as the rows were
+    copied into pageable memory (the Publisher keeps that copy until acked, so pinned memory stays
+    bounded at `capacity` buffers of at most `limit` bytes: `teacher.staging_bytes`). When every
+    buffer is busy, `take` returns None and the caller defers the copy.
+    """
+
+    def __init__(self, capacity: int, *, pin: bool = True, limit: int = 0):
+        self.capacity = capacity  # most buffers ever allocated
+        self.limit = limit  # largest buffer allocated (0: none); a request for more gets its size
+        self.pin = pin  # False only in CPU unit tests (pinning needs CUDA)
+        self._free: list[torch.Tensor] = []  # idle uint8 pinned buffers
+        self._count = 0  # buffers allocated so far
+        self._lock = threading.Lock()  # take (engine thread) vs give (sender thread)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                # By index: list.remove would compare tensors with ==, elementwise.
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            if self._count < self.capacity:
+                self._count += 1
+            elif self._free:
+                self._free.pop(0)  # too small for this sample: replace it by a larger one
+            else:
+                return None
+        size = 1 << max(20, (nbytes - 1).bit_length())  # power of two >= 1 MiB: few re-allocations
+        if self.limit:
+            size = min(size, max(self.limit, nbytes))
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+def layer_perm(layer_ids: list[int]) -> torch.Tensor | None:
+    """Cache slot of each configured layer id (the cache holds them in ascending order), or None
+    when the configured order already is ascending (no reordering)."""
+    order = sorted(layer_ids)
+    if order == list(layer_ids):
+        return None
+    return torch.tensor([order.index(x) for x in layer_ids], dtype=torch.long)
+
+
+def spans_ok(spans: Any) -> bool:
+    return isinstance(spans, list | tuple) and all(
+        isinstance(p, list | tuple)
+        and len(p) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+        for p in spans
+    )
+
+
+def loss_mask(info: SampleInfo, num_tokens: int) -> torch.Tensor:
+    """The sample's `loss_mask` [num_tokens] uint8: the prompt's spans (clipped to the prompt, so a
+    truncated prompt keeps the part of its mask that is left), 1 on every generated token (the
+    sample's tokens past the prompt, include_output_tokens). Without spans: the prompt is all ones
+    when the sample has no generated tokens, else all zeros."""
+    n = num_tokens
+    p = info.prompt_len if 0 <= info.prompt_len <= n else n
+    m = torch.zeros(n, dtype=torch.uint8)
+    if info.loss_spans is None:
+        if p == n:
+            m.fill_(1)
+    else:
+        for a, b in info.loss_spans:
+            a, b = max(a, 0), min(b, p)
+            if a < b:
+                m[a:b] = 1
+    m[p:] = 1
+    return m
+
+
+def take_lock(path: str) -> int:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(lock_path(path), os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def write_replay_keys(path: str | os.PathLike, keys) -> None:
+    """The keys whose spool files the connector's Publisher replays (one a line; atomic)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(k + "\n" for k in sorted(keys)))
+    os.replace(tmp, path)
+
+
+def read_replay_keys(path: str | None) -> set[str] | None:
+    """`write_replay_keys`'s keys; None (replay every spool file) when no file is configured."""
+    if not path:
+        return None
+    with open(path) as f:
+        return set(f.read().splitlines())
+
+
+class StatsWriter:
+    """Writes the Publisher's `stats()` as JSON to `path` every `every_s` and once more at `close`
+    (atomically): how distill-teacher, in another process, reads the generate phase's counters
+    (teacher/metrics.py)."""
+
+    def __init__(self, pub, path: str, every_s: float = 1.0):
+        self.pub, self.path, self.every_s = pub, path, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distill-stats", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.write()
+
+    def write(self) -> None:
+        try:
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.pub.stats(), f)
+            os.replace(tmp, self.path)
+        except (OSError, TypeError, ValueError) as e:  # metrics only: never stops the engine
+            logger.warning("distill: cannot write publisher stats to %s: %s", self.path, e)
+
+    def close(self) -> None:
+        """Stop the thread, then write the last stats (call after the Publisher closed)."""
+        self._stop.set()
+        self._thread.join()
+        self.write()

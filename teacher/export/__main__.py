@@ -1,0 +1,7 @@
+"""`python -m teacher.export ...`: the same CLI as `distill-export`."""
+
+import sys
+
+from teacher.export import main
+
+sys.exit(main())

@@ -1,0 +1,257 @@
+"""What one `distill-teacher` invocation did and where its samples are: `Run` (the counters, the
+state of the dataset from the journal and the spool folder, the skipped-rows file) and its summary
+JSON (`teacher.summary_path`, default `<journal>.summary.json`), plus the exit codes and the
+signal handler."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill.config import SpoolConfig, TransportConfig
+from distill.errors import JournalError
+from distill.journal import Journal
+from distill.spool import list_spool, spool_bytes, spool_name
+from teacher.config import TeacherConfig
+from teacher.metrics import PublisherTotals
+from teacher.sizing import Flow, sizing
+
+log = logging.getLogger("distill.teacher")
+
+EXIT_OK, EXIT_MISSING, EXIT_CONFIG, EXIT_STUDENTS_GONE, EXIT_SIGNAL = 0, 1, 2, 3, 130
+# Finished (every usable sample committed / generated), but dataset rows were skipped. Not 4: that
+# is a student's "a peer rank is gone"; no exit code means one thing for one tool and another for
+# the other (0 done, 1 failed, 2 config, 3 the other side gone, 4 a student's peer gone, 5 the live
+# probe, 6 rows skipped, 130 signal).
+EXIT_SKIPPED = 6
+EXIT_VERIFY = 5  # the live probe found a mismatch with teacher.verify_fail=stop (no END sent)
+
+
+class Stop:
+    """SIGINT/SIGTERM: the first asks to stop (after the current window / at the next check), the
+    second aborts."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("%s: stopping (again to abort)", signal.Signals(signum).name)
+
+
+
+
+def say(line: str) -> None:
+    """One line for the user on stderr (progress, outcome); scripts read the summary JSON."""
+    print(f"distill-teacher: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Run:
+    """What one `distill-teacher` invocation did; written as the summary JSON."""
+
+    cfg: TeacherConfig
+    transport: TransportConfig
+    spool: SpoolConfig
+    keys: list[str]
+    command: str
+    t0: float = field(default_factory=time.monotonic)
+    base_tid: str = ""
+    committed_at_start: int = 0
+    generated: int = 0  # samples that went through vLLM (this invocation, all rounds)
+    tokens: int = 0
+    nbytes: int = 0
+    generate_s: float = 0.0
+    too_long: set[str] = field(default_factory=set)
+    bad_rows: list = field(default_factory=list)  # BadRow skipped before vLLM (on_bad_row=skip)
+    truncated: int = 0  # rows cut to max_model_len - max_tokens (on_too_long=truncate)
+    verifier: Any = None  # teacher.verify.Verifier when teacher.verify_every > 0
+    submitted: int = 0  # requests handed to vLLM (the probe marks every verify_every-th)
+    lost: int = 0  # lost records seen (keys whose student session ended uncommitted)
+    regenerated: int = 0  # samples generated more than once by this invocation (lost or missing)
+    generated_keys: set[str] = field(default_factory=set)
+    students_max: int = 0
+    phases: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+    reason: str = ""
+    journal_error: str | None = None  # the journal could not be read when the summary was written
+    flow: Flow = field(default_factory=Flow)  # serve phases' flow counters (teacher/sizing.py)
+    pub: PublisherTotals = field(default_factory=PublisherTotals)  # every phase's Publisher counters
+    metrics: Any = None  # teacher.metrics.TeacherMetrics when teacher.metrics_port is set
+
+    @property
+    def spool_dir(self) -> Path:
+        return Path(self.spool.dir)
+
+    @property
+    def required(self) -> set[str]:
+        return set(self.keys) - self.too_long
+
+    def spooled_names(self) -> set[str]:
+        return {p.name for p in list_spool(self.spool_dir)}
+
+    def committed(self) -> set[str]:
+        return Journal.read(self.cfg.journal).committed
+
+    def todo(self, committed: set[str]) -> list[str]:
+        """Keys to generate: neither `committed` nor spooled nor skipped as too long."""
+        names = self.spooled_names()
+        return [
+            k
+            for k in self.keys
+            if k not in committed and k not in self.too_long and spool_name(k) not in names
+        ]
+
+    def state(self) -> dict:
+        """Counts for the summary; an unreadable journal counts nothing as committed (and is named
+        in the summary's `journal_error`): the summary is written at every exit."""
+        try:
+            committed = self.committed() & self.required
+        except JournalError as e:
+            self.journal_error, committed = str(e), set()
+        names = self.spooled_names()
+        left = [k for k in self.required if k not in committed]
+        in_spool = sum(1 for k in left if spool_name(k) in names)
+        return {
+            "total": len(self.required),
+            "committed": len(committed),
+            "not_committed": len(left),
+            "spooled": in_spool,
+            "missing": len(left) - in_spool,  # neither committed nor in the spool
+        }
+
+    def count_output(self, key: str, tokens: int, bytes_per_token: int) -> None:
+        """One sample out of vLLM."""
+        self.tokens += tokens
+        self.nbytes += tokens * bytes_per_token
+        self.generated += 1
+        if key in self.generated_keys:
+            self.regenerated += 1
+        else:
+            self.generated_keys.add(key)
+
+    @property
+    def verify_dir(self) -> Path:
+        return Path(f"{self.cfg.journal}.verify")
+
+    def verify_stop(self) -> bool:
+        return self.verifier is not None and self.verifier.failed.is_set()
+
+    def skipped_path(self) -> Path:
+        """Skipped rows of this invocation, one JSON object a line: key, where, reason."""
+        return Path(f"{self.cfg.journal}.skipped.jsonl")
+
+    def start_skipped_file(self) -> None:
+        p = self.skipped_path()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "w") as f:
+            for b in self.bad_rows:
+                f.write(json.dumps(b.record()) + "\n")
+
+    def skip_too_long(self, key: str, n: int) -> None:
+        self.too_long.add(key)
+        limit = self.cfg.max_model_len - self.cfg.max_tokens
+        reason = f"{n} prompt tokens > max_model_len - max_tokens = {limit}"
+        say(f"skipped row {key!r}: {reason}")
+        with open(self.skipped_path(), "a") as f:
+            f.write(json.dumps({"key": key, "where": None, "reason": reason}) + "\n")
+
+    @property
+    def skipped(self) -> int:
+        return len(self.bad_rows) + len(self.too_long)
+
+    def stats_path(self) -> Path:
+        """Where the generate phase's connector writes its Publisher's stats (teacher/metrics.py)."""
+        return Path(f"{self.cfg.journal}.publisher.json")
+
+    def replay_keys_path(self) -> Path:
+        """The keys whose spool files the generate phase's connector replays (this run's)."""
+        return Path(f"{self.cfg.journal}.replay-keys")
+
+    def summary_path(self) -> Path:
+        return Path(self.cfg.summary_path or f"{self.cfg.journal}.summary.json")
+
+    def finish(self, rc: int, reason: str | None = None) -> int:
+        """Write the summary JSON and the closing line; returns the exit code (4 instead of 0 when
+        rows were skipped)."""
+        if reason is not None:
+            self.reason = reason
+        if rc == EXIT_OK and self.skipped:
+            rc = EXIT_SKIPPED
+            self.reason += f"; {self.skipped} rows skipped (see {self.skipped_path()})"
+        self.pub.phase = "done"
+        st = self.state()
+        summary = self.summary(rc, st)
+        path = self.summary_path()
+        write_json(path, summary)
+        if summary["sizing"]["flow_s"] > 0:
+            say(f"sizing: {summary['sizing']['recommendation']}")
+        gen_s = max(self.generate_s, 1e-9)
+        say(
+            f"{self.generated} samples, {self.tokens} tokens, {self.nbytes / 1e9:.3f} GB "
+            f"generated in {self.generate_s:.1f}s ({self.tokens / gen_s:.0f} tok/s); "
+            f"committed {st['committed']}/{st['total']} after {summary['wall_s']:.1f}s, "
+            f"spooled {st['spooled']} ({summary['spool_bytes'] / 1e6:.1f} MB in {self.spool_dir}), "
+            f"already done {self.committed_at_start}, skipped {self.skipped} (bad {len(self.bad_rows)}, "
+            f"too long {len(self.too_long)}), truncated {self.truncated}, "
+            f"lost {self.lost}, regenerated {self.regenerated}; exit {rc}; summary {path}"
+        )
+        return rc
+
+    def summary(self, rc: int, st: dict) -> dict:
+        gen_s = max(self.generate_s, 1e-9)
+        verify = (
+            {"every": self.cfg.verify_every, **self.verifier.summary()} if self.verifier is not None else None
+        )
+        return {
+            "exit_code": rc,
+            "reason": self.reason,
+            **st,
+            "samples": self.generated,
+            "tokens": self.tokens,
+            "bytes": self.nbytes,
+            "generate_s": round(self.generate_s, 3),
+            "wall_s": round(time.monotonic() - self.t0, 3),
+            "tokens_per_s": round(self.tokens / gen_s, 1) if self.generated else 0.0,
+            "committed_at_start": self.committed_at_start,
+            "lost": self.lost,
+            "regenerated": self.regenerated,
+            "too_long": len(self.too_long),
+            "skipped": self.skipped,
+            "skipped_bad_rows": len(self.bad_rows),
+            "skipped_too_long": len(self.too_long),
+            "truncated": self.truncated,
+            "skipped_file": str(self.skipped_path()),
+            "verify": verify,
+            "students_max": self.students_max,
+            "transport": self.pub.summary(),
+            "sizing": sizing(self.flow, self.spool.readers, self.generated, self.generate_s),
+            "interrupted": self.interrupted,
+            "spool_dir": str(self.spool_dir),
+            "spool_bytes": spool_bytes(self.spool_dir),
+            "journal": self.cfg.journal,
+            "journal_error": self.journal_error,
+            "teacher_id": self.base_tid,
+            "phases": self.phases,
+            "command": self.command,
+        }
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomically (temp + rename); a failure is logged, never raised (the run's outcome stands)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.error("cannot write %s: %s", path, e)

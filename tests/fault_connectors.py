@@ -1,0 +1,27 @@
+"""Faulty subclasses of the teacher's connector, for tests only: `teacher.engine_args` names one
+(`kv_transfer_config: {kv_connector: FlipConnector, kv_connector_module_path: fault_connectors}`,
+with tests/ on the engine's PYTHONPATH). The live probe (`teacher.verify_every`) must catch both.
+
+FlipConnector      adds 1 to the first value of every sample it sends (after hashing: the
+                   Publisher hashes the changed bytes, so only the probe can tell)
+MislabelConnector  delivers the cache's ascending layer order under the configured labels
+"""
+
+from __future__ import annotations
+
+from distill import fp8
+from teacher.connector import DistillHiddenStatesConnector
+
+
+class FlipConnector(DistillHiddenStatesConnector):
+    def outgoing(self, tensors):
+        key = fp8.SCALE_KEY if fp8.SCALE_KEY in tensors else "hidden_states"
+        flipped = tensors[key].clone()  # an inference tensor: no in-place update
+        flipped.view(-1)[0] += 1.0
+        return {**tensors, key: flipped}
+
+
+class MislabelConnector(DistillHiddenStatesConnector):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._perm = None  # the configured order is [4, 0, 2]: delivered as cached, [0, 2, 4]

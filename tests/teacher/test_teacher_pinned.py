@@ -1,0 +1,224 @@
+"""The connector's pinned staging pool (CUDA path), exercised on the CPU with pinning off.
+
+Pinned memory needs CUDA, which CI does not have: `pin=False` is the only difference from the
+pool the connector uses on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+from waiting import wait_until
+
+pytest.importorskip("vllm")
+
+from teacher.connector.parts import PinnedPool  # noqa: E402
+
+MiB = 1 << 20
+
+
+def test_pool_reuses_bounds_and_grows():
+    pool = PinnedPool(2, pin=False)
+    a = pool.take(3 * MiB)
+    assert a.numel() == 4 * MiB  # power of two
+    b = pool.take(100)
+    assert b.numel() == MiB  # at least 1 MiB
+    assert pool.take(10) is None  # both busy, capacity 2: the caller copies to pageable memory
+    pool.give(a)
+    pool.give(b)
+    assert pool.take(MiB) is b  # the smallest buffer that fits, found by identity
+    assert pool.take(MiB) is a
+    pool.give(a)
+    pool.give(b)
+    c = pool.take(8 * MiB)  # none fits: one idle buffer is replaced by a larger one
+    assert c.numel() == 8 * MiB and pool._count == 2
+    assert pool.take(MiB) is b  # a (first idle) was the one replaced
+    assert pool.take(MiB) is None
+
+
+def test_pool_disabled():
+    assert PinnedPool(0, pin=False).take(10) is None
+
+
+@pytest.mark.parametrize(
+    ("copy_threads", "shm", "rows"),
+    [(1, "auto", 8), (3, "auto", 1031), (3, "off", 1031)],
+    ids=["one-copy-ring", "chunked-ring", "chunked-pageable"],
+)
+def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm, rows):
+    """The CUDA placement path on the CPU: a sample in a (here unpinned) staging buffer is copied
+    once, into a shared-memory ring slot (shm auto) or fresh memory (shm off), and submitted; the
+    staging buffer goes back to the pool and may be overwritten at once without touching what the
+    student receives. With copy_threads > 1 and >= 4 MiB the copy is split into page-aligned chunks
+    over a thread pool (1031 rows: 8.05 MiB, not a multiple of the chunking), and the default
+    digest's leaves (xxh3-tree) are hashed by the copy threads as they write them (no second pass
+    over the bytes): the Publisher never hashes it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    import distill.protocol as P
+    from distill.config import SpoolConfig, TransportConfig
+    from distill.transport import Publisher, Subscriber
+    from teacher.config import ConnectorConfig
+    from teacher.connector import DistillHiddenStatesConnector
+    from teacher.connector.parts import SampleInfo, SendJob
+
+    ep = f"ipc://{tmp_path}/t.sock"
+    tcfg = TransportConfig(
+        bind=[ep], connect=[ep], shm=shm, shm_dir=str(tmp_path), shm_bytes=16 * MiB, checksum="xxh3-tree"
+    )
+    conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)  # no engine needed
+    conn.cfg = ConnectorConfig(
+        transport=tcfg, spool=SpoolConfig(dir=str(tmp_path / "spool")), copy_threads=copy_threads
+    )
+    conn.layer_ids = [1, 2]
+    conn._placed = {"stream": 0, "spool": 0, "errors": 0}
+    conn._timing = dict.fromkeys(("pageable_copies", "wait_copy_s", "copy_s", "digest_s", "submit_s"), 0)
+    conn._pinned = PinnedPool(1, pin=False)
+    conn._copy_pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
+    shape = (rows, 2, 1024)
+    nbytes = rows * 2 * 1024 * 4
+    with Publisher(tcfg, conn.cfg.spool) as pub, Subscriber(tcfg) as sub:
+        conn._publisher = pub
+        assert wait_until(lambda: pub.stats()["students"] >= 1, 10), pub.stats()
+        staging = conn._pinned.take(nbytes)
+        hs = staging[:nbytes].view(torch.float32).view(shape)
+        want = torch.arange(rows * 2 * 1024, dtype=torch.float32).view(shape)
+        hs.copy_(want)
+        info = SampleInfo(key="row-1", meta={"m": 1}, path=str(tmp_path / "spool" / "x"))
+
+        def no_hash_on_the_sender(sample):
+            raise AssertionError("the sender thread hashed the sample")
+
+        monkeypatch.setattr(P, "sample_x3t", no_hash_on_the_sender)
+
+        def no_second_pass(tensors):
+            raise AssertionError("a digest pass after the copy: the copy threads hash what they write")
+
+        monkeypatch.setattr(conn, "_digest", no_second_pass)
+        conn._place(SendJob("req-1", info, torch.arange(rows), hs, None, staging, None))
+        assert conn._pinned.take(1) is staging  # given back to the pool ...
+        staging.fill_(0)  # ... and reused at once
+        s = sub.get(timeout=10)
+        assert s is not None and s.key == "row-1" and s.meta["m"] == 1
+        assert torch.equal(s.tensors["hidden_states"], want)
+        assert torch.equal(s.tensors["token_ids"], torch.arange(rows))
+        # The digest the copy threads computed is the tree digest of what the student holds.
+        assert s.x3t is not None and s.x3t == P.x3t_of([P.tensor_bytes(t) for t in s.tensors.values()])
+        assert conn._timing["copy_s"] > 0 and conn._timing["digest_s"] > 0
+        ring = 1 if shm == "auto" else 0
+        assert sub.stats().get("shm_samples", 0) == ring and pub.stats().get("shm_samples", 0) == ring
+        sub.ack(s)
+        assert wait_until(lambda: pub.stats()["acked"] >= 1, 10), pub.stats()
+        assert pub.stats()["acked"] == 1
+        if ring:
+            assert pub._ring.used_bytes == 0
+    if conn._copy_pool is not None:
+        conn._copy_pool.shutdown()
+
+
+def test_layer_perm_maps_the_configured_order_to_the_cache_slots():
+    """vLLM's cache holds the layers ascending; slot i of a delivered sample is layer_ids[i]."""
+    import torch
+
+    from teacher.connector.parts import layer_perm
+
+    assert layer_perm([0, 1, 3]) is None  # already ascending: no reordering
+    ids = [6, 0, 1, 5]
+    perm = layer_perm(ids)
+    cache = torch.tensor(sorted(ids)).view(1, -1, 1)  # [T=1, L, H=1]: each slot holds its layer id
+    assert cache.index_select(1, perm).flatten().tolist() == ids
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "xxh3-tree"])
+def test_ring_sample_whose_bytes_changed_after_hashing_is_rejected_and_never_handed_out(tmp_path, checksum):
+    """Shared-memory path with the default digest (xxh3) and the tree digest: the bytes in the ring
+    slot no longer match the digest the teacher recorded (a byte changed after hashing): the student
+    rejects the sample (counted under 'checksum') and never hands it out."""
+    import time
+
+    import torch
+
+    import distill.protocol as P
+    from distill.config import SpoolConfig, TransportConfig
+    from distill.transport import Publisher, Subscriber
+
+    ep = f"ipc://{tmp_path}/t.sock"
+    tcfg = TransportConfig(
+        bind=[ep], connect=[ep], shm="auto", shm_dir=str(tmp_path), shm_bytes=16 * MiB, checksum=checksum
+    )
+    if checksum == "xxh3-tree":
+        assert TransportConfig().checksum == checksum  # the default
+    with Publisher(tcfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(tcfg) as sub:
+        assert wait_until(lambda: pub.stats()["students"] >= 1, 10), pub.stats()
+        slot = pub.ring_slot(
+            {"hidden_states": ([64, 2, 256], torch.float32), "token_ids": ([64], torch.int64)}
+        )
+        assert slot is not None
+        slot.tensors["hidden_states"].copy_(torch.randn(64, 2, 256))
+        slot.tensors["token_ids"].copy_(torch.arange(64))
+        s = P.Sample(key="damaged", tensors=dict(slot.tensors), layers=[1, 2])
+        if checksum == "xxh3":
+            s.x3 = P.sample_x3(s)
+        else:
+            s.x3t = P.sample_x3t(s)
+        slot.tensors["hidden_states"].view(-1)[7] += 1.0  # changed after it was hashed
+        pub.submit(s, slot=slot)
+        deadline = time.monotonic() + 10
+        while sub.stats()["rejected_by_reason"].get("checksum", 0) < 1 and time.monotonic() < deadline:
+            assert sub.get(timeout=0.05) is None  # never handed out
+        assert sub.stats()["rejected_by_reason"].get("checksum", 0) >= 1
+        assert sub.stats().get("received", 0) == 0
+
+
+def test_busy_pinned_pool_defers_the_copy_and_keeps_the_blocks_in_order():
+    """CUDA path bookkeeping on the CPU: when every pinned buffer is busy, `_extract` does nothing
+    (stubbed here: CUDA copies cannot run on CI) and the request waits in order, its blocks kept
+    (not reported finished) until a later step copies it; the engine step never blocks."""
+    from collections import deque
+
+    from teacher.connector.plugin import _DEFERRED, DistillHiddenStatesConnector
+
+    conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)
+    conn._deferred = deque()
+    conn._pending_copies = {}
+    conn._finished_reqs = set()
+    conn._lock_fds = {}
+    conn._timing = {"deferred": 0}
+    conn._sender_error = None
+    free = {"buffers": 0}
+    copied = []
+
+    def extract(pending, info, wait=False):  # stands in for the CUDA copy: a buffer or nothing
+        if free["buffers"] == 0:
+            return False
+        free["buffers"] -= 1
+        copied.append(pending.req_id)
+        conn._pending_copies[pending.req_id] = None  # copy done (no event on the CPU)
+        return True
+
+    conn._extract = extract
+    conn.has_connector_metadata = lambda: False
+
+    class Pending:
+        def __init__(self, rid):
+            self.req_id = rid
+
+    for rid in ("a", "b"):
+        conn._extract_or_defer(Pending(rid), None)
+    assert [p.req_id for p, _ in conn._deferred] == ["a", "b"] and conn._timing["deferred"] == 2
+    assert conn._pending_copies == {"a": _DEFERRED, "b": _DEFERRED}
+    # The scheduler reports both finished: their blocks stay held while they wait.
+    assert conn.get_finished({"a", "b"}) == (None, None)
+    free["buffers"] = 1  # one buffer comes back: the oldest goes first, "b" waits on
+    assert conn.get_finished(set()) == ({"a"}, None)
+    # A new save arriving behind a waiting one queues behind it (order kept), even with room.
+    free["buffers"] = 1
+    conn._extract_or_defer(Pending("c"), None)
+    assert copied == ["a"] and [p.req_id for p, _ in conn._deferred] == ["b", "c"]
+    assert conn.get_finished(set()) == ({"b"}, None)  # the next step: "b" copied, "c" waits
+    assert [p.req_id for p, _ in conn._deferred] == ["c"]
+    free["buffers"] = 5
+    conn._finished_reqs.add("c")
+    assert conn.get_finished(set()) == ({"c"}, None)
+    assert copied == ["a", "b", "c"] and not conn._deferred and not conn._pending_copies
