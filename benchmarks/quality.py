@@ -793,6 +793,9 @@ def speculators_train_args(
         "--save-path", str(save),
         "--log-dir", str(save.parent / "logs"),
         "--seed", str(seed),
+        # its fused (Triton) losses fail under torch.compile on torch 2.11 (a Dynamo assertion:
+        # the forward and backward kernels share one autotune config list); the eager losses work
+        "--loss-implementation", "eager",
     ]  # fmt: skip
 
 
@@ -915,7 +918,8 @@ def speculators_side(
             "--total-seq-len per batch, ours fills max_tokens_per_batch in arrival order, so the step "
             "counts may differ within one epoch (both see every sample once); speculators' own "
             "draft design defaults are kept (norm_before_residual, norm_before_fc, norm_output, "
-            "its init and KL loss) and its validation pass runs on the extra rows"
+            "its init and KL loss, computed by its eager implementation) and its validation pass runs on "
+            "the extra rows"
         ),
     }
 
