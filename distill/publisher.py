@@ -11,7 +11,8 @@ Where a sample is, from `submit` to the end (one owner: the I/O thread, except `
 The parts, each an object this I/O loop wires together: distill/student_sessions.py (`StudentSessions`:
 the conversation with students, lost keys), distill/students.py (the session table, credit, what
 each student holds), distill/bounds.py (`Bounds`: memory and spool limits, counters),
-distill/spooler.py (spool fallback and replay), distill/shm.py (ring slots), distill/sockets.py
+distill/spooler.py (spool fallback and replay), distill/ring_lane.py (`RingLane`: the shared-memory
+ring's slots for same-host students, distill/shm.py), distill/sockets.py
 (the socket, CURVE), distill/journal.py (committed / lost keys, the run id).
 """
 
@@ -37,9 +38,10 @@ from distill.errors import JournalBusy, TransportError
 from distill.iothread import RateLimitedLog, Wake
 from distill.journal import Journal, check_key, stored_run_id
 from distill.protocol import Sample
-from distill.shm import RingSlot, ShmRing, clean_stale, ring_name
+from distill.ring_lane import RingLane
+from distill.shm import RingSlot
 from distill.sockets import router_socket
-from distill.spool import disk_room, list_spool, spool_name
+from distill.spool import list_spool, spool_name
 from distill.spooler import Spooler
 from distill.student_sessions import StudentSessions
 from distill.students import Entry, FlowClock, Student
@@ -75,10 +77,11 @@ class Publisher:
         # fields below too.
         self._bounds = Bounds(cfg.max_buffer_bytes, self.spool_cfg.max_bytes)
         self._lock = self._bounds.lock
-        self._spooler = Spooler(self.spool_cfg, self._bounds, self._replay_slot, self._free_ring_offset)
+        # The same-host lane (its ring is made in start()); what it holds is freed on ack.
+        self._ring = RingLane(cfg, self.tid)
+        self._spooler = Spooler(self.spool_cfg, self._bounds, self._replay_slot, self._ring.free)
         self._inbox: collections.deque[Entry] = collections.deque()  # submitted, not yet seen by I/O
         self._seq = 0
-        self._stamp = secrets.randbits(40) << 20  # ring slot stamps: unique per publisher
         self._input_closed = False
         self._end_requested = False
         self._done = threading.Event()  # END sent
@@ -90,8 +93,6 @@ class Publisher:
         self._wake = Wake()
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
-        self._ring: ShmRing | None = None
-        self._ring_full_said: set[str] = set()  # causes of ring-full sends already logged
         self._journal: Journal | None = None
         self._auth = None  # zmq.auth ThreadAuthenticator (CURVE)
         self.run_id = cfg.run_id  # resolved in start()
@@ -123,14 +124,13 @@ class Publisher:
         self.run_id = self.cfg.run_id or stored_run_id(self.journal_path)
         try:
             self._sock, self._auth = router_socket(self.cfg)
-            self._ring = self._open_ring()
+            self._ring.open()
         except TransportError:
             if self._sock is not None:
                 self._sock.close(0)
             self._close_journal()
             raise
-        shm = [str(self._ring.path), self._ring.nonce] if self._ring is not None else None
-        self._sessions.open(run_id=self.run_id, journal=self._journal, shm=shm)
+        self._sessions.open(run_id=self.run_id, journal=self._journal, shm=self._ring.welcome())
         # Samples left in the spool by an earlier run (or the engine phase) are replayed too.
         self.add_spool_files(self._spool_files_to_replay())
         self._thread = threading.Thread(target=self._run, name="distill-publisher", daemon=True)
@@ -158,18 +158,6 @@ class Publisher:
             )
         return mine
 
-    def _open_ring(self) -> ShmRing | None:
-        if self.cfg.shm == "off":
-            return None
-        clean_stale(self.cfg.shm_dir)
-        try:
-            return ShmRing(self.cfg.shm_dir, ring_name(self.tid), self.cfg.shm_bytes)
-        except OSError as e:
-            if self.cfg.shm == "on":
-                raise TransportError(f"cannot create shared-memory ring in {self.cfg.shm_dir}: {e}") from None
-            log.warning("shared-memory ring unavailable (%s); all samples travel in frames", e)
-            return None
-
     def __enter__(self) -> Publisher:
         return self.start()
 
@@ -191,22 +179,13 @@ class Publisher:
         Args:
             specs: tensor name -> (shape, dtype), in the order the sample will hold them.
         """
-        if self._ring is None:
-            return None
-        with self._lock:
-            self._stamp += 1
-            stamp = self._stamp
-        return self._ring.slot(specs, stamp)
+        return self._ring.slot(specs)
 
     def _replay_slot(self, specs):
         """(Spool reader threads) A ring slot for a spool file being replayed: its bytes are read
         into it."""
         slot = self.ring_slot(specs)
         return None if slot is None else (dict(slot.tensors), slot)
-
-    def _free_ring_offset(self, off: int) -> None:
-        if self._ring is not None:
-            self._ring.free(off)
 
     def release_slot(self, slot: RingSlot) -> None:
         """Give back a slot from `ring_slot` that was not submitted."""
@@ -344,8 +323,7 @@ class Publisher:
                 unsaved,
                 why,
             )
-        if self._ring is not None:
-            self._ring.close()
+        self._ring.close()
         self._close_journal()
         self._sock.close(linger=int(linger_s * 1000))
         if self._auth is not None:
@@ -426,7 +404,7 @@ class Publisher:
 
     def _release(self, e: Entry) -> None:
         """An acked sample: its ring slot, memory and spool file are freed."""
-        self._free_ring_slot(e)
+        self._ring.free_entry(e)
         self._spooler.release(e)
 
     def _tick_flow(self) -> None:
@@ -445,7 +423,7 @@ class Publisher:
         n = 0
         while self._pending:
             e = self._pending.popleft()
-            self._free_ring_slot(e)
+            self._ring.free_entry(e)
             self._spooler.park(e)
             n += 1
         log.warning(
@@ -457,11 +435,6 @@ class Publisher:
             while self._inbox:
                 self._pending.append(self._inbox.popleft())
         self._spooler.take_new()
-
-    def _free_ring_slot(self, e: Entry) -> None:
-        if e.shm is not None and self._ring is not None:
-            self._ring.free(e.shm[0])
-            e.shm = None
 
     def _load_replay(self) -> bool:
         """Move the next spool file read ahead (Spooler) into pending. True if one was ready."""
@@ -494,7 +467,7 @@ class Publisher:
     def _send_sample(self, st: Student, e: Entry) -> bool:
         # Usually already on the sample (submit); a replayed spool file may carry another digest.
         checksum = self.cfg.checksum
-        if st.shm_ok and self._ring is not None and e.shm is None:
+        if st.shm_ok and self._ring.active and e.shm is None:
             self._to_ring(e)
         if st.shm_ok and e.shm is not None:
             off, offsets, stamp = e.shm
@@ -514,50 +487,14 @@ class Publisher:
         return True
 
     def _to_ring(self, e: Entry) -> None:
-        """Copy the sample's tensors into one ring slot and keep only views of it."""
-        slot = self.ring_slot({k: (list(t.shape), t.dtype) for k, t in e.sample.tensors.items()})
-        if slot is None:  # no room in the ring: this sample travels in frames
-            self._ring_full(e)
+        """A same-host send of a sample held in ordinary tensors: into a ring slot, or counted (and
+        said once) as a send in frames when the ring has no room."""
+        if self._ring.place(e):
+            self._bounds.count("shm_samples")
             return
-        for k, t in e.sample.tensors.items():
-            if t.numel():
-                slot.tensors[k].copy_(t)
-        e.shm = (slot.offset, slot.offsets, slot.stamp)
-        e.sample.tensors = dict(slot.tensors)  # the original tensors can be freed now
-        self._bounds.count("shm_samples")
-
-    def _ring_full(self, e: Entry) -> None:
-        """Count a same-host send that fell back to frames; say once per cause why, and what to
-        change."""
         self._bounds.count("shm_full")
-        cause = "fs" if self._ring.fs_full else "ring"
-        if cause in self._ring_full_said:
-            return
-        self._ring_full_said.add(cause)
-        size_mb = e.nbytes / 1e6
-        if cause == "fs":
-            room = disk_room(self.cfg.shm_dir)
-            log.warning(
-                "no room for a %.1f MB ring slot: the filesystem of %s is full (%s) before the "
-                "%.0f MB ring (transport.shm_bytes) is; such samples reach same-host students in "
-                "frames, which is slower (counted in shm_full). Give %s more room (in a container: "
-                "docker run --shm-size, or --ipc=host) or lower transport.shm_bytes. Said once.",
-                size_mb, self.cfg.shm_dir, room[2] if room else "unreadable", self.cfg.shm_bytes / 1e6,
-                self.cfg.shm_dir,
-            )  # fmt: skip
-            return
-        log.warning(
-            "shared-memory ring full (%.1f of %.1f MB in use: %d samples in flight to students, %d "
-            "read ahead from the spool); this %.1f MB sample and the next ones that find no room "
-            "reach same-host students in frames, which is slower (counted in shm_full). Make "
-            "transport.shm_bytes hold the students' credit_samples plus spool.read_ahead samples, "
-            "or lower transport.credit_samples. Said once.",
-            self._ring.used_bytes / 1e6,
-            self.cfg.shm_bytes / 1e6,
-            sum(len(st.inflight) for st in self._students.values()),
-            self._spooler.ready(),
-            size_mb,
-        )
+        in_flight = sum(len(st.inflight) for st in self._students.values())
+        self._ring.say_full(e.nbytes, in_flight, self._spooler.ready())
 
     def _check_done(self) -> None:
         with self._lock:
