@@ -182,40 +182,11 @@ class StudentConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> StudentConfig:
-        if self.recipe == "eagle3":
-            return self._check_eagle3()
-        if (self.model is None) == (self.from_config is None):
-            raise ValueError(
-                "set exactly one of 'model' (a checkpoint folder) or 'from_config' (a config dict)"
-            )
-        if self.from_config is not None and "model_type" not in self.from_config:
-            raise ValueError("'from_config' needs a 'model_type' (e.g. qwen3, llama)")
-        if self.losses.kl > 0 and self.teacher_model is None:
-            raise ValueError(
-                "losses.kl > 0 needs 'teacher_model' (its final norm and LM head give the logits)"
-            )
-        if self.teacher_model is None and self.teacher_hidden_size is None and self.layer_map:
-            raise ValueError("set 'teacher_model' or 'teacher_hidden_size' so projections can be built")
-        hidden_terms = self.losses.mse + self.losses.cosine + self.losses.nmse
-        if hidden_terms > 0 and not self.layer_map:
-            raise ValueError("mse/cosine/nmse weights are set but 'layer_map' is empty")
-        if hidden_terms + self.losses.kl + self.losses.ce == 0:
-            raise ValueError("every loss weight is 0: nothing to train")
-        if self.lr_schedule in ("linear", "cosine") and self.max_steps is None:
-            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps (or use 'constant')")
-        return self
+        # The recipe's own rules (and defaults) first: student/recipes/<name>.py, `check_config`.
+        # Imported here, not at the top: the recipes import this module.
+        from student.recipes import RECIPES
 
-    def _check_eagle3(self) -> StudentConfig:
-        if self.teacher_model is None:
-            raise ValueError("recipe eagle3 needs 'teacher_model' (embeddings, final norm and LM head)")
-        if self.model is not None or self.from_config is not None or self.layer_map:
-            raise ValueError(
-                "recipe eagle3 builds its draft from the teacher: drop model, from_config and layer_map"
-            )
-        if self.eagle3 is None:
-            self.eagle3 = Eagle3Config()
-        if "loss_on" not in self.model_fields_set:
-            self.loss_on = "masked"  # a draft learns the responses (EAGLE-3 trainers do the same)
+        RECIPES[self.recipe].check_config(self)
         if self.lr_schedule in ("linear", "cosine") and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps (or use 'constant')")
         return self
