@@ -202,23 +202,9 @@ def read_text(p: Path) -> str:
 
 def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
     """Byte-level BPE on the train split (testkit.tiny's special tokens and chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from testkit.tiny import bpe_tokenizer
 
-    from testkit.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token=EOT, bos_token=None)
-    fast.chat_template = CHAT_TEMPLATE
+    fast = bpe_tokenizer(texts, vocab_size, eos_token=EOT, pad_token=EOT)
     fast.save_pretrained(out)
     return fast
 

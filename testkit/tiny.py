@@ -81,12 +81,18 @@ def _is_complete(path: Path, params: dict) -> bool:
 
 
 def _train_tokenizer(vocab_size: int, seed: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     rng = random.Random(seed)
     # Enough distinct synthetic words that BPE reaches the vocab size (English alone stalls).
     corpus = [synthetic_text(rng, rng.randint(8, 40)) for _ in range(max(2000, vocab_size))]
+    return bpe_tokenizer(corpus, vocab_size, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def bpe_tokenizer(texts, vocab_size: int, *, eos_token: str, pad_token: str):
+    """A byte-level BPE tokenizer trained on `texts`, with this module's special tokens and chat
+    template (a transformers PreTrainedTokenizerFast; no BOS)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -96,12 +102,9 @@ def _train_tokenizer(vocab_size: int, seed: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
+        tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token, bos_token=None
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
