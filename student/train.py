@@ -267,12 +267,12 @@ def run(argv: list[str] | None = None, hold: list | None = None) -> int:
         trained = e.trained if e.trained is not None else progress.trained
         line = gone_message(e.why, trained, cfg, runfile, args.config)
         if rank == 0:
-            print(f"student stopped: {line}", file=sys.stderr, flush=True)
+            say(f"student stopped: {line}")
             write_exit(cfg, progress, EXIT_TEACHER_GONE, "teacher_gone", line)
         hold.append(e)  # its traceback holds the training frame's objects
         return EXIT_TEACHER_GONE
     except (ConfigError, StudentError) as e:
-        print(f"student error: {e}", file=sys.stderr, flush=True)
+        say(f"student error: {e}")
         if rank == 0 and cfg is not None:
             write_exit(cfg, progress, EXIT_USER_ERROR, getattr(e, "reason", "error"), str(e))
         hold.append(e)
@@ -284,11 +284,25 @@ def run(argv: list[str] | None = None, hold: list | None = None) -> int:
             raise
         restart = restart_command(args.config, args.set)
         line = peer_lost_message(e, progress, cfg, restart)
-        print(f"student stopped: {line}", file=sys.stderr, flush=True)
+        say(f"student stopped: {line}")
         if os.environ.get("LOCAL_RANK", "0") == "0":  # rank 0 may be the one that is gone
             write_exit(cfg, progress, EXIT_PEER_LOST, "peer_lost", line)
         hold.append(e)
         return EXIT_PEER_LOST
+
+
+def say(line: str) -> None:
+    """Write one line to stderr in one write: the ranks share it, and print() writes the text and
+    its newline apart, so two ranks' lines could run into each other."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by something without a file
+        print(line, file=sys.stderr, flush=True)
+        return
+    data = (line + "\n").encode("utf-8", "replace")
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def main(argv: list[str] | None = None) -> None:

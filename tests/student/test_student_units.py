@@ -878,3 +878,24 @@ def test_resume_refuses_a_partial_checkpoint_with_one_line(tmp_path):
     step, why = choose_resume(per_rank, ["a (10.0.0.2)", "b (10.0.0.3)"])
     assert step is None and "\n" not in why
     assert "cannot resume" in why and "rank 1 on b (10.0.0.3): none" in why
+
+
+def test_a_rank_says_its_one_line_in_one_write(tmp_path):
+    """Ranks share stderr: `student error: ...` goes out as one write with its newline (print()
+    writes the text and the newline apart, and two ranks' lines ran into one in CI)."""
+    import student.train as train
+
+    out = tmp_path / "stderr.txt"
+    calls: list[bytes] = []
+    real = os.write
+    with out.open("wb") as f:
+        old = sys.stderr
+        sys.stderr = open(f.fileno(), "w", closefd=False)  # noqa: SIM115 - restored below
+        try:
+            os.write = lambda fd, data: calls.append(bytes(data)) or real(fd, data)
+            train.say("student error: " + "x" * 3000)
+        finally:
+            os.write = real
+            sys.stderr = old
+    assert calls == [b"student error: " + b"x" * 3000 + b"\n"]
+    assert out.read_bytes() == calls[0]
