@@ -106,7 +106,7 @@ GPU = dict(
     seeds=2,
     heldout_blocks=512,
     eagle_aux=[2, 6, 9],  # [2, n//2, n-3] for n = 12
-    eagle_prompts=2048,
+    eagle_prompts=4096,  # 2048 (~300k tokens, ~150 steps): k=3 1.96
     eagle_max_tokens=128,
     eagle_lr=1e-3,
     eagle_tokens_per_batch=8192,
@@ -935,6 +935,7 @@ def parse_args(argv=None):
     ap.add_argument("--heldout-frac", type=float, default=0.1)
     ap.add_argument("--teacher-steps", type=int)
     ap.add_argument("--student-samples", type=int)
+    ap.add_argument("--eagle-prompts", type=int, help="train prompts the EAGLE-3 teacher answers (step 4)")
     ap.add_argument("--no-eagle3", action="store_true", help="skip step 4")
     ap.add_argument(
         "--no-speculators",
@@ -958,6 +959,7 @@ def main(argv=None) -> int:
         ("seeds", args.seeds),
         ("teacher_steps", args.teacher_steps),
         ("student_samples", args.student_samples),
+        ("eagle_prompts", args.eagle_prompts),
     ):
         if v:
             S[k] = v
