@@ -94,7 +94,7 @@ def parse_args(argv=None):
         choices=["distill", "eagle3"],
         default="distill",
         help="eagle3: an EAGLE-3 draft of a Qwen3-1.7B-shaped teacher (random weights), layer_ids eagle3; "
-        "no bare loop (issue 13's H200 run)",
+        "no bare loop",
     )
     p.add_argument(
         "--preset",

@@ -182,11 +182,7 @@ class StudentConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> StudentConfig:
-        # The recipe's own rules (and defaults) first: student/recipes/<name>.py, `check_config`.
-        # Imported here, not at the top: the recipes import this module.
-        from student.recipes import RECIPES
-
-        RECIPES[self.recipe].check_config(self)
+        RECIPE_RULES[self.recipe](self)  # the recipe's own rules (and defaults)
         if self.lr_schedule in ("linear", "cosine") and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps (or use 'constant')")
         return self
@@ -194,6 +190,43 @@ class StudentConfig(Strict):
     @property
     def ckpt_dir(self) -> str:
         return self.checkpoint_dir or f"{self.output_dir}/checkpoints"
+
+
+def _distill_rules(cfg: StudentConfig) -> None:
+    """Recipe `distill`: a student model (checkpoint or config), a teacher for KL, a layer map for
+    the hidden-state terms, and something to train."""
+    if (cfg.model is None) == (cfg.from_config is None):
+        raise ValueError("set exactly one of 'model' (a checkpoint folder) or 'from_config' (a config dict)")
+    if cfg.from_config is not None and "model_type" not in cfg.from_config:
+        raise ValueError("'from_config' needs a 'model_type' (e.g. qwen3, llama)")
+    if cfg.losses.kl > 0 and cfg.teacher_model is None:
+        raise ValueError("losses.kl > 0 needs 'teacher_model' (its final norm and LM head give the logits)")
+    if cfg.teacher_model is None and cfg.teacher_hidden_size is None and cfg.layer_map:
+        raise ValueError("set 'teacher_model' or 'teacher_hidden_size' so projections can be built")
+    hidden_terms = cfg.losses.mse + cfg.losses.cosine + cfg.losses.nmse
+    if hidden_terms > 0 and not cfg.layer_map:
+        raise ValueError("mse/cosine/nmse weights are set but 'layer_map' is empty")
+    if hidden_terms + cfg.losses.kl + cfg.losses.ce == 0:
+        raise ValueError("every loss weight is 0: nothing to train")
+
+
+def _eagle3_rules(cfg: StudentConfig) -> None:
+    """Recipe `eagle3`: the draft is built from the teacher; its section and `loss_on` default."""
+    if cfg.teacher_model is None:
+        raise ValueError("recipe eagle3 needs 'teacher_model' (embeddings, final norm and LM head)")
+    if cfg.model is not None or cfg.from_config is not None or cfg.layer_map:
+        raise ValueError(
+            "recipe eagle3 builds its draft from the teacher: drop model, from_config and layer_map"
+        )
+    if cfg.eagle3 is None:
+        cfg.eagle3 = Eagle3Config()
+    if "loss_on" not in cfg.model_fields_set:
+        cfg.loss_on = "masked"  # a draft learns the responses (EAGLE-3 trainers do the same)
+
+
+# The config rules of each recipe named in `StudentConfig.recipe` (what it builds and trains:
+# student/recipes/).
+RECIPE_RULES = {"distill": _distill_rules, "eagle3": _eagle3_rules}
 
 
 def load_student_config(path: str, overrides: list[str] | None = None) -> tuple[StudentConfig, RunFile]:

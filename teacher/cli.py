@@ -64,8 +64,9 @@ vLLM engine death (an exception out of `llm.generate`, or the engine core proces
 no END (teacher/engine.py: the watchdog that keeps `llm.generate` from waiting forever).
 
 Modules: teacher/run/preflight.py (the checks before vLLM), teacher/run/generate.py (GENERATE),
-teacher/engine.py (vLLM start/stop/watchdog), teacher/run/serve.py (SERVE), teacher/run/state.py (the
-run's state, summary JSON, exit codes); this file: the command line and the round loop.
+teacher/engine.py (vLLM start/stop/watchdog), teacher/run/serve.py (SERVE), teacher/run/results.py
+(what a phase returns), teacher/run/state.py (the run, its summary JSON, exit codes); this file: the
+command line and the round loop.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def start_run(cfg, transport, spool, keys, command, bad_rows) -> Run:
             device=cfg.verify_device,
             fail=cfg.verify_fail,
             include_output_tokens=cfg.include_output_tokens,
+            every=cfg.verify_every,
         )
     r.base_tid = transport.teacher_id or f"{socket.gethostname()}-{os.getpid()}"
     r.committed_at_start = len(r.committed() & set(keys))
@@ -190,7 +192,7 @@ def rounds(r: Run, stop: Stop) -> int:
         if todo and regenerate:
             if rnd > 0:
                 log.warning("generating %d samples again (lost or missing)", len(todo))
-            again = generate(r, todo, stop, rnd)
+            again = generate(r, todo, stop, rnd).again
             if r.verifier is not None:
                 r.verifier.drain()  # the engine is down: every copy is written
             if r.verify_stop():
@@ -202,17 +204,17 @@ def rounds(r: Run, stop: Stop) -> int:
                 continue
         regenerate = False
         st = r.state()
-        if st["not_committed"] == 0 and not r.phases:
+        if st["not_committed"] == 0 and not r.results:
             tell = "" if r.cfg.after_generation == "exit" else "; telling students the run is complete"
             say(f"nothing to do: all {st['total']} samples are committed in {r.cfg.journal}{tell}")
         if r.cfg.after_generation == "exit":
             return exit_after_generation(r, st)
         # Students of the engine phase (or of an earlier run) wait for END: the serve phase sends
         # it to every student that (re)connects within a short linger.
-        outcome, lost_keys = serve(r, stop, rnd)
-        if outcome != "lost":
-            return serve_ended(r, outcome)
-        log.warning("%d samples lost or missing while serving: generating them again", len(lost_keys))
+        served = serve(r, stop, rnd)
+        if served.outcome != "lost":
+            return serve_ended(r, served.outcome)
+        log.warning("%d samples lost or missing while serving: generating them again", len(served.lost_keys))
         fruitless = fruitless + 1 if len(r.committed() & r.required) == committed_before else 0
         if fruitless >= FRUITLESS_ROUNDS:
             return keeps_getting_lost(r)

@@ -72,13 +72,6 @@ def take_flow(journal: str) -> dict | None:
     return total
 
 
-def note_phase(flow: Flow, phase: dict, stats: dict, readers: int, generated: int, generate_s: float) -> None:
-    """One phase's flow counters into the run's totals and its shares into the phase record."""
-    flow.add(stats)
-    f = shares(delta(stats, None), readers, generated, generate_s)
-    phase.update({k: f[k] for k in ("flow_s", "teacher_busy", "student_wait", "teacher_waited")})
-
-
 def delta(now: dict, before: dict | None) -> dict:
     """The flow counters between two `Publisher.stats()` (for the progress line)."""
     before = before or {}

@@ -57,8 +57,11 @@ class Verifier:
         device: str = "cpu",
         fail: str = "warn",
         include_output_tokens: bool = False,
+        every: int = 1,
     ):
         self.model_dir = model
+        self.every = every  # offer(): every N-th submitted sample is probed
+        self._offered = 0
         self.dir = Path(directory)
         self.dtype = dtype  # float32 / float16 / bfloat16 (auto resolved by the caller)
         # fp8 hidden states (distill/fp8.py) add at most 1/16 of each row's largest value.
@@ -83,6 +86,15 @@ class Verifier:
             _remove(p)
 
     # -- producer side (the cli's prepare, any thread) ---------------------------------------
+    def offer(self, key: str, ids: list[int]) -> bool:
+        """A sample about to be submitted to vLLM: True (and expected) for every `every`-th, the
+        first included, counted over the whole run."""
+        n, self._offered = self._offered, self._offered + 1
+        if n % self.every:
+            return False
+        self.expect(key, ids)
+        return True
+
     def expect(self, key: str, ids: list[int]) -> None:
         with self._lock:
             self._expected[key] = list(ids)

@@ -5,8 +5,7 @@
 
 The loop (student/loop.py) and `training_function` (student/train.py) call only the recipe's
 methods: `build` once, `loss` on every micro-batch, `save` once at the end. A new recipe is a new
-file here with its `Recipe` subclass (its config rules in `check_config`), named in `RECIPES`
-below and in `StudentConfig.recipe`.
+file here with its `Recipe` subclass, named in `RECIPES` below and in `StudentConfig.recipe`.
 """
 
 from __future__ import annotations

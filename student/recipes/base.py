@@ -45,11 +45,6 @@ class Recipe:
     TERMS: tuple[str, ...] = ()
     partial_positions: bool = True
 
-    @classmethod
-    def check_config(cls, cfg: StudentConfig) -> None:
-        """(While the run file is validated) Raise ValueError, one line, when the student section
-        does not fit this recipe; may fill in the recipe's own defaults."""
-
     def build(self, cfg: StudentConfig, device: torch.device) -> Built:
         """The model, its frozen teacher parts on `device`, and the layers batches must carry;
         StudentError (one line) when the config and the teacher do not fit together."""

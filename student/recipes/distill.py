@@ -28,26 +28,6 @@ class Distill(Recipe):
     TERMS = (*HIDDEN_TERMS, "kl", "ce")
     partial_positions = True  # hidden terms and KL read held positions only (Batch.held)
 
-    @classmethod
-    def check_config(cls, cfg: StudentConfig) -> None:
-        if (cfg.model is None) == (cfg.from_config is None):
-            raise ValueError(
-                "set exactly one of 'model' (a checkpoint folder) or 'from_config' (a config dict)"
-            )
-        if cfg.from_config is not None and "model_type" not in cfg.from_config:
-            raise ValueError("'from_config' needs a 'model_type' (e.g. qwen3, llama)")
-        if cfg.losses.kl > 0 and cfg.teacher_model is None:
-            raise ValueError(
-                "losses.kl > 0 needs 'teacher_model' (its final norm and LM head give the logits)"
-            )
-        if cfg.teacher_model is None and cfg.teacher_hidden_size is None and cfg.layer_map:
-            raise ValueError("set 'teacher_model' or 'teacher_hidden_size' so projections can be built")
-        hidden_terms = cfg.losses.mse + cfg.losses.cosine + cfg.losses.nmse
-        if hidden_terms > 0 and not cfg.layer_map:
-            raise ValueError("mse/cosine/nmse weights are set but 'layer_map' is empty")
-        if hidden_terms + cfg.losses.kl + cfg.losses.ce == 0:
-            raise ValueError("every loss weight is 0: nothing to train")
-
     def build(self, cfg: StudentConfig, device: torch.device) -> Built:
         """Student, projections and the frozen teacher head."""
         tconf = teacher_config(cfg)

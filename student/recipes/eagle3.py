@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 
 from student import eagle3
-from student.config import Eagle3Config, StudentConfig
+from student.config import StudentConfig
 from student.data import Batch
 from student.recipes.base import Built, Recipe
 
@@ -21,19 +21,6 @@ class Eagle3(Recipe):
     name = "eagle3"
     TERMS = eagle3.TERMS  # each TTT step's loss and top-1 agreement
     partial_positions = False
-
-    @classmethod
-    def check_config(cls, cfg: StudentConfig) -> None:
-        if cfg.teacher_model is None:
-            raise ValueError("recipe eagle3 needs 'teacher_model' (embeddings, final norm and LM head)")
-        if cfg.model is not None or cfg.from_config is not None or cfg.layer_map:
-            raise ValueError(
-                "recipe eagle3 builds its draft from the teacher: drop model, from_config and layer_map"
-            )
-        if cfg.eagle3 is None:
-            cfg.eagle3 = Eagle3Config()
-        if "loss_on" not in cfg.model_fields_set:
-            cfg.loss_on = "masked"  # a draft learns the responses (EAGLE-3 trainers do the same)
     # unused_parameters: the base's False (every draft parameter is on every step's loss path)
 
     def build(self, cfg: StudentConfig, device: torch.device) -> Built:

@@ -19,8 +19,9 @@ from teacher.engine import EngineWatchdog, build_llm, shutdown_bound_s, shutdown
 from teacher.errors import EngineDied, ServeFailed
 from teacher.metrics import read_stats_file
 from teacher.run.preflight import check_endpoints_free, check_journal_free
+from teacher.run.results import GenerateResult
 from teacher.run.state import Run, Stop
-from teacher.sizing import note_phase, take_flow
+from teacher.sizing import take_flow
 
 log = logging.getLogger("distill.teacher")
 
@@ -58,10 +59,10 @@ class Windows:
     """The rows to generate, a window at a time, in dataset order: the keys of `todo` and keys that
     students lose meanwhile (`!lost` journal records), until none is pending."""
 
-    def __init__(self, r: Run, todo: list[str], phase: dict):
+    def __init__(self, r: Run, todo: list[str], result: GenerateResult):
         from teacher.data import Prompter
 
-        self.r, self.cfg, self.phase = r, r.cfg, phase
+        self.r, self.cfg, self.result = r, r.cfg, result
         self.tail = JournalTail(r.cfg.journal)
         self.tail.poll()  # history: lost records of earlier runs are in `todo` already
         self.pending: set[str] = set(todo)
@@ -73,8 +74,7 @@ class Windows:
         """Keys lost since the last look become pending again."""
         _, new_lost = self.tail.poll()
         for k in new_lost:
-            self.r.lost += 1
-            self.phase["lost"] += 1
+            self.result.lost += 1
             if k in self._order and k not in self.tail.committed:
                 self.pending.add(k)
 
@@ -118,10 +118,11 @@ class Windows:
             return ids
         if self.cfg.on_too_long == "truncate":
             log.warning("truncating %r: %d prompt tokens to %d", key, len(ids), limit)
-            self.r.truncated += 1
+            self.result.truncated += 1
             return ids[:limit]
         if self.cfg.on_too_long == "skip":
-            self.r.skip_too_long(key, len(ids))
+            self.result.too_long.add(key)
+            self.r.note_too_long(key, len(ids))
             return None
         # fail: checked before vLLM started; the dataset changed since
         raise ConfigError(
@@ -141,21 +142,20 @@ class Windows:
             "include_output_tokens": cfg.include_output_tokens,
             "loss_spans": self._prompter.last_spans,  # the loss mask of the row token_ids() just read
         }
-        if r.verifier is not None and r.submitted % cfg.verify_every == 0:
-            kv["verify"] = True
-            r.verifier.expect(key, ids)
-        r.submitted += 1
+        if r.verifier is not None and r.verifier.offer(key, ids):
+            kv["verify"] = True  # the connector writes a copy of this sample for the probe
         params = SamplingParams(
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, extra_args={"kv_transfer_params": kv}
         )
         return {"prompt_token_ids": ids}, params
 
 
-def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
+def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> GenerateResult:
     """GENERATE phase: run `todo` (and keys lost meanwhile) through vLLM, then shut it down.
 
-    Returns True when keys were lost after the last window (the caller generates them again).
-    Raises EngineDied when the engine failed (nothing is sent as END; the caller exits 1).
+    Returns what it did; its `again` is True when keys were lost after the last window (the caller
+    generates them again). Raises EngineDied when the engine failed (nothing is sent as END; the
+    caller exits 1).
     """
     cfg = r.cfg
     conn = connector_config(r, rnd)
@@ -165,10 +165,9 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
             check_endpoints_free(r.transport, wait_s=15.0)
     except ConfigError as e:  # free at start; taken since (another process)
         raise ServeFailed(f"cannot generate (round {rnd}): {e}") from None
-    phase = {"phase": "generate", "round": rnd, "todo": len(todo), "samples": 0, "lost": 0}
-    r.phases.append(phase)
+    res = r.begin(GenerateResult(round=rnd, todo=len(todo), seen=r.generated_keys()))
     t_phase = time.monotonic()
-    windows = Windows(r, todo, phase)
+    windows = Windows(r, todo, res)
     first = windows.first()
     if first[0]:
         # The engine's Publisher replays this run's spool files only (not another dataset's).
@@ -182,16 +181,17 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> bool:
         finally:  # the engine's connector wrote its Publisher's flow counters and last stats at shutdown
             flow = take_flow(cfg.journal)
             if flow is not None:
-                note_phase(r.flow, phase, flow, r.spool.readers, r.generated, r.generate_s)
+                res.note_flow(flow, r.phase_shares(flow))
             r.pub.closed(read_stats_file(stats))
             stats.unlink(missing_ok=True)
-    phase["seconds"] = round(time.monotonic() - t_phase, 3)
+    res.seconds = round(time.monotonic() - t_phase, 3)
     if not first[0]:
-        return False
+        return res
     # Lost while the engine shut down (or just before): generate those again.
     windows.take_lost()
     # (Every spool file got its `<file>.lock` from distill.spool.write_sample.)
-    return bool(windows.pending) and not stop.requested
+    res.again = bool(windows.pending) and not stop.requested
+    return res
 
 
 def _run_engine(r: Run, conn: ConnectorConfig, windows: Windows, first, stop: Stop, total: int) -> None:
@@ -218,7 +218,7 @@ def _run_engine(r: Run, conn: ConnectorConfig, windows: Windows, first, stop: St
         raise
     finally:
         progress.bar.close()
-        r.generate_s += time.monotonic() - t0
+        windows.result.engine_s += time.monotonic() - t0
         prefetch.shutdown(wait=True, cancel_futures=True)
         if watchdog is not None:
             watchdog.close()
@@ -264,7 +264,7 @@ def _generate_windows(llm, windows: Windows, cur, prefetch, progress, stop: Stop
 
 
 class _Progress:
-    """Counts what vLLM returned (into the Run) and shows it on a tqdm bar."""
+    """Counts what vLLM returned (into the phase's result) and shows it on a tqdm bar."""
 
     def __init__(self, r: Run, windows: Windows, bar):
         self.r, self.windows, self.bar = r, windows, bar
@@ -272,16 +272,15 @@ class _Progress:
         self.t0 = time.monotonic()
 
     def outputs(self, keys: list[str], outs, n_rows: int) -> None:
-        r, phase = self.r, self.windows.phase
+        r, res = self.r, self.windows.result
         for key, out in zip(keys, outs, strict=True):
             n = len(out.prompt_token_ids)
             if r.cfg.include_output_tokens:
                 n += len(out.outputs[0].token_ids) - 1
-            r.count_output(key, n, self.bytes_per_token)
-            phase["samples"] += 1
+            res.count_output(key, n, self.bytes_per_token)
         self.bar.update(n_rows)
         dt = max(time.monotonic() - self.t0, 1e-9)
         self.bar.set_postfix_str(
-            f"{phase['samples'] / dt:.1f} samples/s, {r.tokens / dt:.0f} tok/s, "
+            f"{res.samples / dt:.1f} samples/s, {r.tokens / dt:.0f} tok/s, "
             f"committed {len(self.windows.tail.committed)}, spool {spool_bytes(r.spool_dir) / 1e6:.1f} MB"
         )

@@ -12,26 +12,27 @@ from distill.journal import JournalTail, lock_holder
 from distill.spool import list_spool, remove_spool_file, spool_name
 from teacher.engine import shutdown_bound_s
 from teacher.errors import ServeFailed
+from teacher.run.results import ServeResult
 from teacher.run.state import Run, Stop, say
-from teacher.sizing import delta, note_phase, shares
+from teacher.sizing import delta, shares
 
 log = logging.getLogger("distill.teacher")
 
 
-def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
+def serve(r: Run, stop: Stop, rnd: int) -> ServeResult:
     """Replay the spool to students until every required key is committed.
 
-    Returns ("done" | "lost" | "gone" | "signal", keys to generate again).
+    Returns what it did: its `outcome` ("done" | "lost" | "gone" | "signal") and `lost_keys` (to
+    generate again).
     """
     from distill.transport import Publisher, TransportError
 
     transport = r.transport.model_copy(update={"teacher_id": f"{r.base_tid}-serve{rnd}"})
-    phase = {"phase": "serve", "round": rnd, "served": 0, "lost": 0}
-    r.phases.append(phase)
+    res = r.begin(ServeResult(round=rnd))
     t_phase = time.monotonic()
     if not _wait_for_engine_publisher(r, stop):  # before reading the journal: it may still change
-        phase.update(outcome="signal", seconds=round(time.monotonic() - t_phase, 3))
-        return "signal", set()
+        res.outcome, res.seconds = "signal", round(time.monotonic() - t_phase, 3)
+        return res
     tail = JournalTail(r.cfg.journal)
     tail.poll()
     committed0 = len(tail.committed & r.required)
@@ -45,7 +46,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
     except Exception as e:
         raise ServeFailed(f"cannot start the serve Publisher on {transport.bind}: {e}") from e
     r.pub.live("serve", pub.stats)
-    watch = _Watch(r, pub, tail, phase, committed0)
+    watch = _Watch(r, pub, tail, res, committed0)
     try:
         pub.close_input()
         while watch.outcome is None:
@@ -65,14 +66,16 @@ def serve(r: Run, stop: Stop, rnd: int) -> tuple[str, set[str]]:
         watch.outcome = "signal"
         raise
     finally:
-        _note_flow(r, phase, pub.stats())
+        st = pub.stats()
+        res.note_flow(st, r.phase_shares(st))
         pub.close()
         r.pub.closed(pub.stats())  # after close: what it spooled at close is counted
         tail.poll()
-        phase["served"] = len(tail.committed & r.required) - committed0
-        phase["seconds"] = round(time.monotonic() - t_phase, 3)
-        phase["outcome"] = watch.outcome or "gone"
-    return watch.outcome, watch.lost
+        res.served = len(tail.committed & r.required) - committed0
+        res.seconds = round(time.monotonic() - t_phase, 3)
+        res.outcome = watch.outcome or "gone"
+    res.lost_keys = watch.lost
+    return res
 
 
 def _wait_for_engine_publisher(r: Run, stop: Stop) -> bool:
@@ -124,11 +127,6 @@ def _ours(pid: int) -> bool:
         return False
 
 
-def _note_flow(r: Run, phase: dict, st: dict) -> None:
-    """This phase's flow counters into the run's (the sizing figures) and its shares into the phase."""
-    note_phase(r.flow, phase, st, r.spool.readers, r.generated, r.generate_s)
-
-
 def _remove_committed_spool_files(r: Run, committed: set[str]) -> None:
     """Spool files of committed keys (a crash between the commit and the unlink) are delivered:
     remove them rather than replay them (students would only skip them)."""
@@ -143,8 +141,8 @@ class _Watch:
     """One look every 0.2 s at the journal and the Publisher: progress line, lost and missing keys,
     and the outcome (None while serving goes on)."""
 
-    def __init__(self, r: Run, pub, tail: JournalTail, phase: dict, committed0: int):
-        self.r, self.pub, self.tail, self.phase = r, pub, tail, phase
+    def __init__(self, r: Run, pub, tail: JournalTail, result: ServeResult, committed0: int):
+        self.r, self.pub, self.tail, self.result = r, pub, tail, result
         self.required = r.required
         self.grace = max(5.0, 2 * pub.cfg.heartbeat_timeout_s)
         now = time.monotonic()
@@ -162,7 +160,7 @@ class _Watch:
         committed = self.tail.committed & self.required
         st = self.pub.stats()
         students = int(st.get("students", 0))
-        self.r.students_max = max(self.r.students_max, students)
+        self.result.students_max = max(self.result.students_max, students)
         self._take_lost(committed)
         self._note_progress(now, committed, st, students)
         if now - self.last_print >= self.r.cfg.progress_every_s:
@@ -184,8 +182,7 @@ class _Watch:
 
     def _take_lost(self, committed: set[str]) -> None:
         for k in self.pub.take_lost():
-            self.r.lost += 1
-            self.phase["lost"] += 1
+            self.result.lost += 1
             if k in self.required and k not in committed:
                 self.lost.add(k)
         self.lost -= committed

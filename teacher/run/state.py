@@ -1,5 +1,6 @@
-"""What one `distill-teacher` invocation did and where its samples are: `Run` (the counters, the
-state of the dataset from the journal and the spool folder, the skipped-rows file) and its summary
+"""What one `distill-teacher` invocation did and where its samples are: `Run` (its settings, the
+phases' results and the totals derived from them, the state of the dataset from the journal and the
+spool folder, the skipped-rows file) and its summary
 JSON (`teacher.summary_path`, default `<journal>.summary.json`), plus the exit codes and the
 signal handler."""
 
@@ -21,7 +22,8 @@ from distill.journal import Journal
 from distill.spool import list_spool, spool_bytes, spool_name
 from teacher.config import TeacherConfig
 from teacher.metrics import PublisherTotals
-from teacher.sizing import Flow, sizing
+from teacher.run.results import GenerateResult, PhaseResult, ServeResult
+from teacher.sizing import Flow, delta, shares, sizing
 
 log = logging.getLogger("distill.teacher")
 
@@ -57,7 +59,10 @@ def say(line: str) -> None:
 
 @dataclass
 class Run:
-    """What one `distill-teacher` invocation did; written as the summary JSON."""
+    """What one `distill-teacher` invocation is and did; written as the summary JSON. Its settings,
+    the dataset's facts (keys, rows skipped before vLLM) and its services (verifier, metrics,
+    Publisher totals) are set at the start; each phase returns its own result
+    (teacher/run/results.py), kept in `results`, and every count here is derived from those."""
 
     cfg: TeacherConfig
     transport: TransportConfig
@@ -67,26 +72,76 @@ class Run:
     t0: float = field(default_factory=time.monotonic)
     base_tid: str = ""
     committed_at_start: int = 0
-    generated: int = 0  # samples that went through vLLM (this invocation, all rounds)
-    tokens: int = 0
-    nbytes: int = 0
-    generate_s: float = 0.0
-    too_long: set[str] = field(default_factory=set)
     bad_rows: list = field(default_factory=list)  # BadRow skipped before vLLM (on_bad_row=skip)
-    truncated: int = 0  # rows cut to max_model_len - max_tokens (on_too_long=truncate)
     verifier: Any = None  # teacher.verify.Verifier when teacher.verify_every > 0
-    submitted: int = 0  # requests handed to vLLM (the probe marks every verify_every-th)
-    lost: int = 0  # lost records seen (keys whose student session ended uncommitted)
-    regenerated: int = 0  # samples generated more than once by this invocation (lost or missing)
-    generated_keys: set[str] = field(default_factory=set)
-    students_max: int = 0
-    phases: list[dict] = field(default_factory=list)
+    results: list[PhaseResult] = field(default_factory=list)  # the phases so far, the running one last
     interrupted: bool = False
     reason: str = ""
     journal_error: str | None = None  # the journal could not be read when the summary was written
-    flow: Flow = field(default_factory=Flow)  # serve phases' flow counters (teacher/sizing.py)
     pub: PublisherTotals = field(default_factory=PublisherTotals)  # every phase's Publisher counters
     metrics: Any = None  # teacher.metrics.TeacherMetrics when teacher.metrics_port is set
+
+    def begin(self, result: PhaseResult) -> PhaseResult:
+        """A phase starts: its result is counted (and shown by the metrics endpoint) as it grows."""
+        self.results.append(result)
+        return result
+
+    def _generated(self) -> list[GenerateResult]:
+        return [g for g in list(self.results) if isinstance(g, GenerateResult)]
+
+    @property
+    def generated(self) -> int:
+        """Samples that went through vLLM (this invocation, all rounds)."""
+        return sum(g.samples for g in self._generated())
+
+    @property
+    def tokens(self) -> int:
+        return sum(g.tokens for g in self._generated())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self._generated())
+
+    @property
+    def generate_s(self) -> float:
+        return sum(g.engine_s for g in self._generated())
+
+    @property
+    def truncated(self) -> int:
+        return sum(g.truncated for g in self._generated())
+
+    @property
+    def regenerated(self) -> int:
+        """Samples generated more than once by this invocation (lost or missing)."""
+        return sum(g.regenerated for g in self._generated())
+
+    def generated_keys(self) -> frozenset[str]:
+        return frozenset().union(*(g.keys for g in self._generated()))
+
+    @property
+    def too_long(self) -> set[str]:
+        return set().union(*(g.too_long for g in self._generated()))
+
+    @property
+    def lost(self) -> int:
+        return sum(p.lost for p in list(self.results))
+
+    @property
+    def students_max(self) -> int:
+        return max((p.students_max for p in list(self.results) if isinstance(p, ServeResult)), default=0)
+
+    @property
+    def flow(self) -> Flow:
+        """The flow counters of every phase whose Publisher reported them."""
+        f = Flow()
+        for p in list(self.results):
+            if p.flow_stats is not None:
+                f.add(p.flow_stats)
+        return f
+
+    def phase_shares(self, stats: dict) -> dict:
+        """A phase's flow shares (teacher/sizing.py), with the run's generated samples so far."""
+        return shares(delta(stats, None), self.spool.readers, self.generated, self.generate_s)
 
     @property
     def spool_dir(self) -> Path:
@@ -104,12 +159,8 @@ class Run:
 
     def todo(self, committed: set[str]) -> list[str]:
         """Keys to generate: neither `committed` nor spooled nor skipped as too long."""
-        names = self.spooled_names()
-        return [
-            k
-            for k in self.keys
-            if k not in committed and k not in self.too_long and spool_name(k) not in names
-        ]
+        names, too_long = self.spooled_names(), self.too_long
+        return [k for k in self.keys if k not in committed and k not in too_long and spool_name(k) not in names]
 
     def state(self) -> dict:
         """Counts for the summary; an unreadable journal counts nothing as committed (and is named
@@ -129,16 +180,6 @@ class Run:
             "missing": len(left) - in_spool,  # neither committed nor in the spool
         }
 
-    def count_output(self, key: str, tokens: int, bytes_per_token: int) -> None:
-        """One sample out of vLLM."""
-        self.tokens += tokens
-        self.nbytes += tokens * bytes_per_token
-        self.generated += 1
-        if key in self.generated_keys:
-            self.regenerated += 1
-        else:
-            self.generated_keys.add(key)
-
     @property
     def verify_dir(self) -> Path:
         return Path(f"{self.cfg.journal}.verify")
@@ -157,8 +198,8 @@ class Run:
             for b in self.bad_rows:
                 f.write(json.dumps(b.record()) + "\n")
 
-    def skip_too_long(self, key: str, n: int) -> None:
-        self.too_long.add(key)
+    def note_too_long(self, key: str, n: int) -> None:
+        """A row too long for the model, skipped (the generate phase counts it in its result)."""
         limit = self.cfg.max_model_len - self.cfg.max_tokens
         reason = f"{n} prompt tokens > max_model_len - max_tokens = {limit}"
         say(f"skipped row {key!r}: {reason}")
@@ -241,7 +282,7 @@ class Run:
             "journal": self.cfg.journal,
             "journal_error": self.journal_error,
             "teacher_id": self.base_tid,
-            "phases": self.phases,
+            "phases": [p.record() for p in self.results],
             "command": self.command,
         }
 

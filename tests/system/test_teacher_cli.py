@@ -266,11 +266,12 @@ pub.close()  # spools them, releases the journal
 _DRAINING_ENGINE = """
 import subprocess, sys
 import teacher.cli as cli
+from teacher.run.results import GenerateResult
 def generate(r, todo, stop, rnd):  # the engine generated `todo`; its Publisher holds them
     args = [r.cfg.journal, str(r.spool_dir), *sys.argv[2:4], *todo]
     holder = subprocess.Popen([sys.executable, "-c", sys.argv[1], *args], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "holding"
-    return False
+    return GenerateResult(round=rnd, todo=len(todo))
 cli.generate = generate
 sys.exit(cli.main(sys.argv[4:]))
 """
@@ -626,6 +627,12 @@ def test_student_process_sigterm_and_restart_deliver_each_sample_once(assets, tm
     assert "Traceback" not in out1
     first = [json.loads(x)[0] for x in got1.read_text().splitlines()]
     assert len(first) == len(set(first)) >= 4
+    # The generate phase's Publisher lives in vLLM's worker: its flow counters reach the summary
+    # (this run's: the receiver trained from that Publisher, the journal shows its commits).
+    s = _summary(cfg)
+    gen = [p for p in s["phases"] if p["phase"] == "generate"]
+    assert gen and gen[0]["flow_s"] > 0, s["phases"]
+    assert s["sizing"]["flow_s"] >= gen[0]["flow_s"] and s["sizing"]["samples"] > 0, s["sizing"]
 
     # Restart: keys acked in the journal are not run again; spooled ones are replayed, the rest run.
     rec = _receiver(ep, got2)
@@ -640,11 +647,6 @@ def test_student_process_sigterm_and_restart_deliver_each_sample_once(assets, tm
     assert sorted(first + second) == sorted(keys), "every sample exactly once across the two runs"
     assert set(journal.read_text().split()) == set(keys)
     assert list_spool(tmp_path / "spool") == []  # all acked: spool files removed
-    # The generate phase's Publisher lives in vLLM's worker: its flow counters reach the summary.
-    s = _summary(cfg)
-    gen = [p for p in s["phases"] if p["phase"] == "generate"]
-    assert gen and gen[0]["flow_s"] > 0, s["phases"]
-    assert s["sizing"]["flow_s"] >= gen[0]["flow_s"] and s["sizing"]["samples"] > 0, s["sizing"]
     assert not list(tmp_path.glob("journal.txt.flow-*")), "the counters' files are removed once read"
 
 
