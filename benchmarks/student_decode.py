@@ -41,8 +41,19 @@ def student(ep: str, shm: str, layer_ids: list[int], budget: int, out_q) -> None
     batcher = TokenBudgetBatcher(budget)
     n = tokens = nbytes = batches = 0
     t0 = None
+    t_last = None
     with Subscriber(cfg) as sub:
-        for s in sub:
+        while True:
+            s = sub.get(timeout=0.5)
+            if s is None:  # END, or nothing came for a while: what is held is trained and acked
+                rest = batcher.flush()
+                if rest:
+                    collate(rest, layer_ids)
+                    sub.ack(rest)
+                    t_last = time.perf_counter()
+                if sub.finished:  # the teacher sends END once every sample is acked
+                    break
+                continue
             if t0 is None:
                 t0 = time.perf_counter()
             full = batcher.push(s)
@@ -52,14 +63,11 @@ def student(ep: str, shm: str, layer_ids: list[int], budget: int, out_q) -> None
                 collate(full, layer_ids)
                 sub.ack(full)
                 batches += 1
+                t_last = time.perf_counter()
             n += 1
             tokens += s.num_tokens
             nbytes += s.nbytes
-        rest = batcher.flush()
-        if rest:
-            collate(rest, layer_ids)
-            sub.ack(rest)
-        dt = time.perf_counter() - (t0 or time.perf_counter())
+        dt = (t_last or time.perf_counter()) - (t0 or time.perf_counter())
     out_q.put({"samples": n, "tokens": tokens, "bytes": nbytes, "batches": batches, "seconds": dt})
 
 
