@@ -13,8 +13,6 @@ Modes (name[:receivers][@repeats] on ``--modes``):
          vLLM's ``load_hidden_states`` while ``generate()`` runs, checks it and deletes it
     C    our connector (teacher/connector/plugin.py) streaming to student-side receiver process(es)
          (``distill.transport.Subscriber``) on this host, ``transport.shm=auto`` (shared memory)
-    Cp   as C with ``pinned_buffers: 32`` given explicitly (the connector's default since the
-         first GPU run, which used 4; kept so the old figures can be re-made)
     C4   as C with ``pinned_buffers: 4`` (the old default: most copies take the synchronous path)
     Cs   as C, serial copies: connector ``copy_threads: 1`` and 1 torch thread per receiver
          (C: the connector's default 4 copy threads, ``--receiver-threads`` per receiver)
@@ -26,6 +24,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Ct, C8t, Dt   as C, C8, D with ``transport.checksum: xxh3-tree`` given explicitly (the
          default: 4 MiB leaves, each hashed by the copy thread that wrote it out of pinned memory)
     Cn, C8n, Dn   as C, C8, D with ``transport.checksum: none``
+    Cp, C8p, Dp   as C, C8, D with ``pinned_buffers: 64`` (twice the default)
+    Ck, C8k, Dk   as C, C8, D with ``copy_threads: 8`` (twice the default)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
          receivers get bf16 back from ``Subscriber.get``); Ct_fp8 the same with xxh3-tree
     C_loss_mask  as C with ``capture: loss_mask`` and a chat-like loss mask: each request's
@@ -112,7 +112,6 @@ MODES = {
     "A": ("plain", None, None, {}),
     "B": ("file", "layers", None, {}),
     "C": ("ours", "layers", "auto", {}),
-    "Cp": ("ours", "layers", "auto", {"pinned_buffers": 32}),  # explicit 32 (now the default)
     "C4": ("ours", "layers", "auto", {"pinned_buffers": 4}),  # the first run's default
     "Cs": ("ours", "layers", "auto", {"copy_threads": 1, "receiver_threads": 1}),  # serial copies
     "C1": ("ours", "layers1", "auto", {}),
@@ -124,6 +123,10 @@ for _n, _c in (("x", "xxh3"), ("n", "none"), ("t", "xxh3-tree")):  # the same, a
     for _m in ("C", "C8", "D"):
         _kind, _layers, _shm, _extra = MODES[_m]
         MODES[_m + _n] = (_kind, _layers, _shm, {**_extra, "transport": {"checksum": _c}})
+for _n, _extra in (("p", {"pinned_buffers": 64}), ("k", {"copy_threads": 8})):  # the sender's knobs
+    for _m in ("C", "C8", "D"):
+        _kind, _layers, _shm, _base = MODES[_m]
+        MODES[_m + _n] = (_kind, _layers, _shm, {**_base, **_extra})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
 MODES["Ct_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8", "transport": {"checksum": "xxh3-tree"}})
 # teacher.staging_bytes below one sample (32 MiB at 4 layers): every sample in pieces (teacher/connector/staging.py)

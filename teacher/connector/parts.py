@@ -53,6 +53,9 @@ class SendJob:
     model_dtype: torch.dtype | None = None  # what fp8 hidden states stand for (else None)
     loss_mask: torch.Tensor | None = None  # [T] uint8, computed at extraction (capture loss_mask)
     positions: torch.Tensor | None = None  # [R] int32: the rows `hidden_states` holds (else all)
+    # CUDA: a timing event on the copy stream once the forward pass is done (gather + device-to-host
+    # copy start there; copy_done ends them): the `d2h_s` figure of the connector timing.
+    copy_start: Any = None
     # A sample over teacher.staging_bytes: its teacher.connector.staging.Pieces, copied by the sender thread
     # (`hidden_states` and `hidden_scale` are then meta-device placeholders); else None.
     pieces: Any = None

@@ -204,6 +204,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             "copy_s": 0.0,
             "digest_s": 0.0,
             "submit_s": 0.0,
+            "d2h_s": 0.0,  # GPU time of the gathers and device-to-host copies (after the forward)
+            "sender_busy_s": 0.0,  # the sender thread's seconds per sample, summed (not queue waits)
+            "queue_peak": 0,  # most samples waiting for the sender thread at once
             "pieces": 0,  # samples over teacher.staging_bytes, copied in pieces
             "staging_peak_bytes": 0,  # the largest pinned buffer or one gather's tensors
         }
@@ -364,7 +367,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             slots = slots.index_select(0, positions.long())
         num_rows = int(slots.shape[0])
         whole = _fits(num_rows, self._staged_token, self.cfg.staging_bytes)
-        copy_done = staging = pieces = stream = None
+        copy_done = copy_start = staging = pieces = stream = None
         perm = self._perm
         if kv.is_cuda:
             elems = kv.numel() // (kv.shape[0] * self._block_size)  # values per token (all layers)
@@ -377,6 +380,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             ready = torch.cuda.Event()
             ready.record()
             stream.wait_event(ready)  # the copy sees every write of the forward pass
+            copy_start = torch.cuda.Event(enable_timing=True)
+            copy_start.record(stream)
         with torch.cuda.stream(stream) if stream is not None else nullcontext(), _sync_allowed():
             if stream is not None:
                 if self._perm is not None and self._perm_dev is None:
@@ -389,7 +394,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                     self._pinned.give(staging)  # the cache held more per token than estimated
                     staging = None
                 if stream is not None:
-                    copy_done = torch.cuda.Event()
+                    copy_done = torch.cuda.Event(enable_timing=True)
                     copy_done.record(stream)
             else:
                 piece = _piece_tokens(self.cfg.staging_bytes, self._staged_token)
@@ -406,9 +411,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._pending_copies[pending.req_id] = pieces or copy_done
         job = SendJob(pending.req_id, info, pending.token_ids.clone(), hosts[0], copy_done, staging, lock_fd)
         job.pieces = pieces
+        job.copy_start = copy_start if copy_done is not None else None
         if quantize:
             job.hidden_scale, job.model_dtype = hosts[1], kv.dtype
         job.loss_mask, job.positions = mask, positions
+        self._timing["queue_peak"] = max(self._timing.get("queue_peak", 0), self._queue.qsize() + 1)
         try:
             self._queue.put_nowait(job)
         except queue.Full:  # the sender thread is behind: the engine step waits here
@@ -469,6 +476,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             job = self._queue.get()
             if job is _STOP:
                 return
+            t0 = time.perf_counter()
             try:
                 self._place(job)
             except BaseException as e:  # surfaced on the next engine step (get_finished)
@@ -479,6 +487,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             finally:
                 if job.lock_fd is not None:
                     os.close(job.lock_fd)  # releases LOCK_EX: load_hidden_states readers proceed
+                self._timing["sender_busy_s"] = (
+                    self._timing.get("sender_busy_s", 0.0) + time.perf_counter() - t0
+                )
 
     def _place(self, job: SendJob) -> None:
         hs = job.hidden_states
@@ -486,6 +497,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             t0 = time.perf_counter()
             job.copy_done.synchronize()
             self._timing["wait_copy_s"] += time.perf_counter() - t0
+            if job.copy_start is not None:
+                self._timing["d2h_s"] = (
+                    self._timing.get("d2h_s", 0.0) + job.copy_start.elapsed_time(job.copy_done) / 1000
+                )
         # Names in sorted order: a spool file lists its tensors so, and its digest covers them in
         # the order the producer had them (the same order, then).
         tensors = {"hidden_states": hs}
