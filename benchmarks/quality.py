@@ -32,7 +32,7 @@ Steps:
    student trains every sample once: equal tokens.
 4. **EAGLE-3**: a draft (`student.recipe: eagle3`) trained from the live stream of `distill-teacher`
    (vLLM generates `eagle_max_tokens` greedy tokens for train-split prompts and streams prompt +
-   response states), then `python -m student.eagle3_eval` serves the teacher alone, the untrained
+   response states), then `python -m student.eagle3.evaluate` serves the teacher alone, the untrained
    draft (same config, initial weights) and the trained draft with vLLM on held-out prompts: mean
    acceptance length at k=3 and k=5, and whether every greedy output equals the teacher's own.
    Side by side, speculators' own trainer (speculators 0.9, CUDA only, `--no-speculators` skips
@@ -40,7 +40,7 @@ Steps:
    settings; the live stream's samples never all reach the disk), exported with `distill-export
    --format speculators` (+ a few extra prompts for its validation split), trained with `python -m
    speculators.train` (1 layer, whole vocabulary, same aux layers, TTT steps, AdamW lr, one epoch,
-   at most our draft's optimizer steps) and its checkpoint served by the same `student.eagle3_eval`:
+   at most our draft's optimizer steps) and its checkpoint served by the same `student.eagle3.evaluate`:
    `acceptance.k3_speculators` / `k5_speculators` and the record `speculators` (what differs is in
    `speculators.differs`). Without CUDA, or when its imports fail, they stay null and
    `speculators_note` says why; a failure there is recorded in `speculators_note` and the rest of
@@ -611,7 +611,7 @@ def eagle3(
     S, tiny, teacher: Path, train_texts, held_texts, work: Path, env: dict, seed: int, timeout: float
 ) -> dict:
     from student.config import load_student_config
-    from student.eagle3 import build_draft, export_draft
+    from student.eagle3.draft import build_draft, export_draft
 
     ew = work / "eagle3"
     shutil.rmtree(ew, ignore_errors=True)
@@ -699,11 +699,11 @@ def eval_drafts(
     name: str,
     timeout: float,
 ) -> list[dict]:
-    """`python -m student.eagle3_eval` on the held-out prompts: one result per draft folder ("none":
+    """`python -m student.eagle3.evaluate` on the held-out prompts: one result per draft folder ("none":
     the teacher alone), all in one process; raises SystemExit with the log's tail when it fails."""
     out = ew / f"{name}.json"
     cmd = [
-        sys.executable, "-m", "student.eagle3_eval", "--target", str(teacher), "--prompts", str(held),
+        sys.executable, "-m", "student.eagle3.evaluate", "--target", str(teacher), "--prompts", str(held),
         "--k", str(k), "--max-tokens", str(S["eval_max_tokens"]), "--dtype", S["teacher_dtype"],
         "--out", str(out),
     ]  # fmt: skip
@@ -716,7 +716,9 @@ def eval_drafts(
     p = Proc(name, cmd, ew / f"{name}.log", eenv)
     rc = wait(p, timeout)
     if rc != 0:
-        raise SystemExit(f"quality: eagle3_eval k={k} ({name}) exited {rc}\n{tail(ew / f'{name}.log')}")
+        raise SystemExit(
+            f"quality: student.eagle3.evaluate k={k} ({name}) exited {rc}\n{tail(ew / f'{name}.log')}"
+        )
     return json.loads(out.read_text())
 
 
@@ -804,7 +806,7 @@ def speculators_side(
     engine settings (greedy, `eagle_max_tokens`, the same layers) into a spool, exported with
     `distill-export --format speculators`, and trained with `python -m speculators.train`
     (`--train-data-ratio` puts exactly our draft's rows in its train split). Its checkpoint is
-    evaluated with the same `student.eagle3_eval` call as ours, at k = 3 and 5."""
+    evaluated with the same `student.eagle3.evaluate` call as ours, at k = 3 and 5."""
     ew = work / "eagle3"
     sw = work / "speculators"
     shutil.rmtree(sw, ignore_errors=True)

@@ -59,7 +59,9 @@ class Bounds:
         one sample larger than the limit still moves)."""
         return self.held_bytes == 0 or self.held_bytes + nbytes <= self.max_held_bytes
 
-    def wait_for_room(self, nbytes: int, *, no_students: Callable[[], bool], stopped: Callable[[], bool]) -> bool:
+    def wait_for_room(
+        self, nbytes: int, *, no_students: Callable[[], bool], stopped: Callable[[], bool]
+    ) -> bool:
         """(Under the lock) Whether a new sample of `nbytes` goes to the spool (memory full, or
         `no_students()`); when the spool is full too, wait until students take samples, said every
         30 s. Raises TransportError once `stopped()`."""

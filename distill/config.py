@@ -25,8 +25,6 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-
-
 class Strict(BaseModel):
     """Base for every config section: unknown keys are errors, values are validated on assignment."""
 

@@ -44,10 +44,6 @@ LOST = "!lost\t"
 log = logging.getLogger("distill.journal")
 
 
-
-
-
-
 def check_key(key: str) -> None:
     if "\n" in key or "\t" in key or key.startswith("!"):
         raise ValueError(f"sample key {key!r} may not contain a newline or a tab, nor start with '!'")

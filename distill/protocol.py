@@ -145,8 +145,6 @@ REJECT_REASONS = (
 )
 
 
-
-
 @dataclass
 class Sample:
     """One teacher sample: the tensors of one request plus where it came from.

@@ -54,8 +54,6 @@ def remove_spool_file(path: str | os.PathLike) -> None:
     lock_path(path).unlink(missing_ok=True)
 
 
-
-
 def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
     """Write `sample` to `directory` atomically (temporary file, fsync-free rename); return the path.
 
@@ -116,8 +114,6 @@ _DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-
-
 
 
 # alloc(specs) -> (tensors to fill, handle) or None: where read_spool_file puts the bytes (e.g. a

@@ -160,7 +160,9 @@ class StudentSessions:
         if len(self._refused) > 10_000:
             self._refused.clear()
         self._refused[ident] = now
-        self.send(ident, [P.encode_control(P.REFUSE, tid=self.tid, reason=reason, version=P.PROTOCOL_VERSION)])
+        self.send(
+            ident, [P.encode_control(P.REFUSE, tid=self.tid, reason=reason, version=P.PROTOCOL_VERSION)]
+        )
 
     def _handle(self, ident: bytes, h: dict) -> None:
         kind = h["k"]

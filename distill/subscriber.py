@@ -55,7 +55,10 @@ class Subscriber:
         self.dequantize = dequantize
         self._counters: collections.Counter = collections.Counter()
         self._deliveries = Deliveries(
-            skip_keys=skip_keys, dedup_keys=cfg.dedup_keys, commit_on_ack=commit_on_ack, counters=self._counters
+            skip_keys=skip_keys,
+            dedup_keys=cfg.dedup_keys,
+            commit_on_ack=commit_on_ack,
+            counters=self._counters,
         )
         self._shm = ShmReader()
         self._sessions = TeacherSessions(

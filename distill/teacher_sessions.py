@@ -233,7 +233,9 @@ class TeacherSessions:
                 if h["version"] != P.PROTOCOL_VERSION
                 else ""
             )
-            self.error = TransportError(f"teacher at {t.endpoint} refused this student: {h['reason']}{versions}")
+            self.error = TransportError(
+                f"teacher at {t.endpoint} refused this student: {h['reason']}{versions}"
+            )
         elif kind == P.RESET:
             t.last_seen = time.monotonic()
             self.hello(t)  # the teacher (perhaps a new incarnation) does not know this session
@@ -322,7 +324,9 @@ class TeacherSessions:
             shm_ok = self._shm.attach(shm[0], shm[1])
         t.ring = shm[0] if shm_ok else None
         if self.cfg.shm == "on" and not shm_ok:
-            self.error = TransportError(f"transport.shm is 'on' but the ring of teacher {t.endpoint} cannot be mapped")
+            self.error = TransportError(
+                f"transport.shm is 'on' but the ring of teacher {t.endpoint} cannot be mapped"
+            )
         t.welcomed = t.ever_welcomed = True
         t.hello_pending = False
         t.draining = t.ended = False

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh cpu
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_HOST_IP=${VLLM_HOST_IP:-127.0.0.1}
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 # pytest exits 5 when no test ran: that is a failure here too (set -e).
 if [[ ${1:-} == --quick ]]; then
   shift

@@ -47,7 +47,7 @@ class LossWeights(Strict):
 
 
 class Eagle3Config(Strict):
-    """`student.eagle3`: the EAGLE-3 draft recipe (student/eagle3.py; `recipe: eagle3`)."""
+    """`student.eagle3`: the EAGLE-3 draft recipe (student/eagle3/draft.py; `recipe: eagle3`)."""
 
     # Teacher layer ids of the 3 auxiliary states fed to the draft's fc (distinct, < n); default
     # [2, n//2, n-3] for an n-layer teacher. The teacher must also send the last layer, n.

@@ -302,7 +302,7 @@ def say(line: str) -> None:
         return
     data = (line + "\n").encode("utf-8", "replace")
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def main(argv: list[str] | None = None) -> None:

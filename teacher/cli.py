@@ -266,23 +266,22 @@ def serve_ended(r: Run, outcome: str) -> int:
         return r.finish(EXIT_OK, "done")
     if outcome == "signal":
         return interrupted(r)
-    st = r.state()
-    say(
-        f"no student progress for {r.cfg.student_wait_s:.0f}s: {st['not_committed']} of "
-        f"{st['total']} samples not trained ({st['spooled']} in the spool {r.spool_dir}, "
-        f"{st['missing']} to generate). Finish the job with: {r.command}"
-    )
+    say(f"no student progress for {r.cfg.student_wait_s:.0f}s: {left_to_do(r)}")
     return r.finish(EXIT_STUDENTS_GONE, "students gone")
 
 
 def keeps_getting_lost(r: Run) -> int:
-    st = r.state()
-    say(
-        f"samples keep getting lost without any commit ({FRUITLESS_ROUNDS} rounds); "
-        f"{st['not_committed']} of {st['total']} not trained ({st['spooled']} in the spool "
-        f"{r.spool_dir}). Finish the job with: {r.command}"
-    )
+    say(f"samples keep getting lost without any commit ({FRUITLESS_ROUNDS} rounds); {left_to_do(r)}")
     return r.finish(EXIT_STUDENTS_GONE, "no progress: the same samples keep getting lost")
+
+
+def left_to_do(r: Run) -> str:
+    """What a run that stops unfinished leaves, and the command that finishes it."""
+    st = r.state()
+    return (
+        f"{st['not_committed']} of {st['total']} samples not trained ({st['spooled']} in the spool "
+        f"{r.spool_dir}, {st['missing']} to generate). Finish the job with: {r.command}"
+    )
 
 
 def verify_failed(r: Run) -> int:

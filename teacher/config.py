@@ -271,8 +271,6 @@ def load_teacher_config(data: dict[str, Any] | None) -> TeacherConfig:
     return validate(TeacherConfig, data, prefix="teacher.")
 
 
-
-
 def _no_duplicate_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:

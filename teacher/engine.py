@@ -25,8 +25,6 @@ def shutdown_bound_s(drain_timeout_s: float) -> float:
     return drain_timeout_s + SPOOL_MARGIN_S + SHUTDOWN_MARGIN_S
 
 
-
-
 def _worker_shutdown_timeout(drain_timeout_s: float) -> None:
     """vLLM gives its workers VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (default 5) to exit before
     SIGTERM, then SIGKILL: the connector's shutdown (drain_timeout_s, then spooling what is in

@@ -70,7 +70,9 @@ def teacher_samples(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m testkit.synthetic_teacher", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m testkit.synthetic_teacher", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--model", required=True, help="teacher checkpoint folder")
     ap.add_argument("--data", required=True, help="JSONL rows with 'id' and 'text'")
     ap.add_argument("--layers", required=True, help="teacher layer ids to send, e.g. 2,4")

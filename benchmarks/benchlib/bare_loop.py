@@ -255,4 +255,3 @@ def child_bare(args) -> dict:
     out["bare_with_student_collate_ms_per_step"] = {kk: round(1000 * v / n, 2) for kk, v in ph2.items()}
     out["bare_with_student_collate_steps"] = n
     return out
-

@@ -183,4 +183,3 @@ def read_results(args, work: Path, res: dict, expected_keys: list[str]) -> None:
             res["samples_streamed_from_memory"] = (
                 tot.get("sent", 0) - tot.get("replayed", 0) - tot.get("redelivered", 0)
             )
-

@@ -243,4 +243,3 @@ def progress_note(work: Path) -> str:
         if m:
             last = f"; student step {m[-1].group('step')}"
     return f"journal {n} keys{last}"
-

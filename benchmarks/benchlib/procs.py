@@ -129,11 +129,7 @@ def run_child(
 ) -> dict:
     out = log_path.with_suffix(".json")
     out.unlink(missing_ok=True)
-    cmd = (
-        (launcher or [sys.executable])
-        + [str(E2E_SCRIPT), "--child", kind, "--child-out", str(out)]
-        + extra
-    )
+    cmd = (launcher or [sys.executable]) + [str(E2E_SCRIPT), "--child", kind, "--child-out", str(out)] + extra
     p = Proc(kind, cmd, log_path, env)
     deadline = time.monotonic() + timeout
     while p.poll() is None and time.monotonic() < deadline:
@@ -162,4 +158,3 @@ def git_commit() -> str | None:
         )
     except Exception:
         return None
-

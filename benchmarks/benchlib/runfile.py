@@ -213,4 +213,3 @@ def run_config(args, work: Path, teacher: Path, data: Path, port: int, spool: st
         )
     apply_sets(cfg, args.set)
     return cfg
-

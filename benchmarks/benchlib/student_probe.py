@@ -264,4 +264,3 @@ def child_profile_student(args) -> None:
     Path(args.child_out).write_text(json.dumps({"result": res, "tables": tables}, indent=1))
     sys.stdout.flush()
     os._exit(0)
-

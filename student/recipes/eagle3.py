@@ -1,4 +1,4 @@
-"""Recipe `eagle3`: an EAGLE-3 draft of the teacher (the model, its loss and export: student/eagle3.py).
+"""Recipe `eagle3`: an EAGLE-3 draft of the teacher (the model, its loss and export: student/eagle3/draft.py).
 
 The draft attends to every earlier position's teacher states, so samples that hold some positions
 only (`teacher.capture: loss_mask`) are refused.
@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from student import eagle3
 from student.config import StudentConfig
 from student.data import Batch
+from student.eagle3 import draft as eagle3
 from student.recipes.base import Built, Recipe
 
 
@@ -37,5 +37,5 @@ class Eagle3(Recipe):
         return eagle3.reported_terms(cfg)
 
     def save(self, accelerator: Accelerator, model, cfg: StudentConfig, final: Path) -> None:
-        """vLLM's EAGLE-3 layout (student/eagle3.py, export_draft)."""
+        """vLLM's EAGLE-3 layout (student/eagle3/draft.py, export_draft)."""
         eagle3.export_draft(accelerator.unwrap_model(model), final, eagle3.export_dtype(cfg))

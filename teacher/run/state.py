@@ -50,11 +50,28 @@ class Stop:
         log.warning("%s: stopping (again to abort)", signal.Signals(signum).name)
 
 
-
-
 def say(line: str) -> None:
     """One line for the user on stderr (progress, outcome); scripts read the summary JSON."""
     print(f"distill-teacher: {line}", file=sys.stderr, flush=True)
+
+
+class _GenerateTotal:
+    """A read-only `Run` attribute: one GenerateResult counter summed over the generate phases."""
+
+    def __init__(self, counter: str, doc: str = ""):
+        self.counter = counter
+        self.__doc__ = doc or f"The generate phases' {counter}, summed."
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, run: Run | None, owner=None):
+        if run is None:
+            return self
+        return sum(getattr(g, self.counter) for g in run._generated())
+
+    def __set__(self, run: Run, value) -> None:
+        raise AttributeError(f"Run.{self.name} is derived from the phases' results")
 
 
 @dataclass
@@ -89,31 +106,13 @@ class Run:
     def _generated(self) -> list[GenerateResult]:
         return [g for g in list(self.results) if isinstance(g, GenerateResult)]
 
-    @property
-    def generated(self) -> int:
-        """Samples that went through vLLM (this invocation, all rounds)."""
-        return sum(g.samples for g in self._generated())
-
-    @property
-    def tokens(self) -> int:
-        return sum(g.tokens for g in self._generated())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(g.nbytes for g in self._generated())
-
-    @property
-    def generate_s(self) -> float:
-        return sum(g.engine_s for g in self._generated())
-
-    @property
-    def truncated(self) -> int:
-        return sum(g.truncated for g in self._generated())
-
-    @property
-    def regenerated(self) -> int:
-        """Samples generated more than once by this invocation (lost or missing)."""
-        return sum(g.regenerated for g in self._generated())
+    # Totals over the generate phases so far, each the sum of one GenerateResult counter.
+    generated = _GenerateTotal("samples", "Samples that went through vLLM (this invocation, all rounds).")
+    tokens = _GenerateTotal("tokens")
+    nbytes = _GenerateTotal("nbytes")
+    generate_s = _GenerateTotal("engine_s")
+    truncated = _GenerateTotal("truncated")
+    regenerated = _GenerateTotal("regenerated", "Samples generated more than once by this invocation.")
 
     def generated_keys(self) -> frozenset[str]:
         return frozenset().union(*(g.keys for g in self._generated()))
@@ -160,7 +159,9 @@ class Run:
     def todo(self, committed: set[str]) -> list[str]:
         """Keys to generate: neither `committed` nor spooled nor skipped as too long."""
         names, too_long = self.spooled_names(), self.too_long
-        return [k for k in self.keys if k not in committed and k not in too_long and spool_name(k) not in names]
+        return [
+            k for k in self.keys if k not in committed and k not in too_long and spool_name(k) not in names
+        ]
 
     def state(self) -> dict:
         """Counts for the summary; an unreadable journal counts nothing as committed (and is named

@@ -306,7 +306,9 @@ def test_student_survives_mutated_teacher_messages(tmp_path):
                 assert s is not None, f"student stopped receiving after fuzzing: {sub.stats()}"
                 keys.append(s.key)
                 sub.ack(s)
-            assert sub.stats()["rejected"] >= N_LIVE // 4 and (sub._error or sub._sessions.error) is None, sub.stats()
+            assert sub.stats()["rejected"] >= N_LIVE // 4 and (sub._error or sub._sessions.error) is None, (
+                sub.stats()
+            )
             assert _rss() - rss0 < 64 << 20, "subscriber memory grew by more than 64 MiB under fuzzing"
     finally:
         router.close()

@@ -90,7 +90,8 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path, checksu
         )
         h, bufs = P.sample_header(good, checksum=checksum)
         payload = bytes(bufs[0])
-        digest = {"crc32": "crc", "xxh3": "x3", "xxh3-tree": "x3t"}[checksum]  # the header key that carries it
+        # The header key that carries the digest.
+        digest = {"crc32": "crc", "xxh3": "x3", "xxh3-tree": "x3t"}[checksum]
 
         def spec(**kw):
             t = list(h["t"][0])

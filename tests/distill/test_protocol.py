@@ -144,7 +144,9 @@ def test_x3t_is_the_xxh3_of_the_4_mib_chunk_digests_of_each_tensor_in_order():
     # Cutting the bytes into tensors elsewhere than at a chunk boundary changes the root (the
     # shapes themselves are the header's, checked against the frames, as for x3).
     moved = Sample(key="k", tensors={"a": hs[:1000], "b": hs[1000:], "token_ids": torch.arange(9)})
-    assert P.sample_x3t(moved) != P.sample_x3t(Sample(key="k", tensors={"a": hs, "token_ids": torch.arange(9)}))
+    assert P.sample_x3t(moved) != P.sample_x3t(
+        Sample(key="k", tensors={"a": hs, "token_ids": torch.arange(9)})
+    )
     # A sample carrying an older digest (a replayed spool file) gets no second one.
     s.x3 = 5
     h, _ = P.sample_header(s, checksum="xxh3-tree")

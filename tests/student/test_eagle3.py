@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft recipe (student/eagle3.py): vocabulary maps, the training-time-test forward
+"""The EAGLE-3 draft recipe (student/eagle3/draft.py): vocabulary maps, the training-time-test forward
 against a step-by-step reference, the loss's masks, the export layout, and (slow, vLLM) a draft
 trained from the live stream served by vLLM: higher acceptance than an untrained one, the target's
 own greedy output, and vLLM's acceptance counts equal to what the training forward predicts.
@@ -20,7 +20,7 @@ from safetensors import safe_open
 from distill.errors import ConfigError
 from student.config import StudentConfig, load_student_config
 from student.data import Batch, StudentError
-from student.eagle3 import (
+from student.eagle3.draft import (
     build_draft,
     draft_loss,
     draft_to_target,
@@ -451,7 +451,7 @@ def test_draft_trained_from_the_vllm_teacher_stream_speeds_up_vllm(tmp_path, pro
     export_draft(untrained, tmp_path / "untrained")
     trained_dir = tmp_path / "out" / "model"
     r = subprocess.run(
-        [sys.executable, "-m", "student.eagle3_eval", "--target", str(target), "--prompts", str(held),
+        [sys.executable, "-m", "student.eagle3.evaluate", "--target", str(target), "--prompts", str(held),
          "--k", str(E2E_K), "--draft", "none", "--draft", str(tmp_path / "untrained"), "--draft", str(trained_dir),
          "--out", str(tmp_path / "eval.json")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -498,17 +498,17 @@ def test_eagle3_configs_load(path):
 
 @pytest.mark.slow
 def test_untrained_baseline_draft_is_the_trainings_start(tiny_teacher, tmp_path):
-    """`python -m student.eagle3_baseline` exports the draft a run file would start training from."""
+    """`python -m student.eagle3.baseline` exports the draft a run file would start training from."""
     import yaml
 
-    from student.eagle3 import build_draft
+    from student.eagle3.draft import build_draft
 
     cfg = e3_cfg(tiny_teacher, tmp_path, aux_layer_ids=[1, 2, 3])
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump({"student": cfg.model_dump(mode="json")}))
     out = tmp_path / "untrained"
     p = subprocess.run(
-        [sys.executable, "-m", "student.eagle3_baseline", "--config", str(run), "--out", str(out)],
+        [sys.executable, "-m", "student.eagle3.baseline", "--config", str(run), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -522,7 +522,7 @@ def test_untrained_baseline_draft_is_the_trainings_start(tiny_teacher, tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"student": {"recipe": "general"}}))
     p = subprocess.run(
-        [sys.executable, "-m", "student.eagle3_baseline", "--config", str(bad), "--out", str(out)],
+        [sys.executable, "-m", "student.eagle3.baseline", "--config", str(bad), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,

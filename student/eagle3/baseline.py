@@ -1,7 +1,7 @@
 """The untrained EAGLE-3 draft a trained one is compared with: same config, same draft vocabulary,
 initial weights (drawn with `student.seed`, as training starts), exported in the layout vLLM serves.
 
-    python -m student.eagle3_baseline --config run.yaml --out runs/draft-untrained [--set KEY=VALUE]
+    python -m student.eagle3.baseline --config run.yaml --out runs/draft-untrained [--set KEY=VALUE]
 
 It reads the run file's `student` section exactly as `student.py` does (recipe eagle3, its
 `teacher_model` and `eagle3` keys) and connects to nobody. Exit 0 with the folder's path on
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from distill.errors import ConfigError
     from student.config import load_student_config
-    from student.eagle3 import build_draft, export_draft
+    from student.eagle3.draft import build_draft, export_draft
     from student.errors import StudentError
 
     try:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         draft, _, _ = build_draft(cfg)
         folder = export_draft(draft, args.out)
     except (ConfigError, StudentError) as e:
-        print(f"eagle3_baseline error: {e}", file=sys.stderr)
+        print(f"eagle3.baseline error: {e}", file=sys.stderr)
         return 2
     print(folder)
     return 0

@@ -1,9 +1,9 @@
 """Measure an exported EAGLE-3 draft in vLLM: mean acceptance length and the greedy outputs.
 
-    python -m student.eagle3_eval --target runs/tiny-llama --draft runs/eagle3-tiny/draft \\
+    python -m student.eagle3.evaluate --target runs/tiny-llama --draft runs/eagle3-tiny/draft \\
         --prompts prompts.jsonl [--k 3] [--max-tokens 48] [--out result.json]
-    python -m student.eagle3_eval --target ... --prompts ...      # no draft: the target alone
-    python -m student.eagle3_eval --target ... --draft none --draft A --draft B ...  # one process
+    python -m student.eagle3.evaluate --target ... --prompts ...      # no draft: the target alone
+    python -m student.eagle3.evaluate --target ... --draft none --draft A --draft B ...  # one process
 
 Greedy decoding (temperature 0), `ignore_eos`. Per configuration one JSON object: `drafts`,
 `draft_tokens`, `accepted`, `accepted_per_pos`, `mean_acceptance_length` (1 + accepted / drafts:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     drafts = [None if d in ("", "none") else d for d in args.draft] or [None]
     for p, what in ((args.target, "--target"), *((d, "--draft") for d in drafts)):
         if p and not (Path(p) / "config.json").is_file():
-            print(f"eagle3_eval error: {what} {p!r} has no config.json", file=sys.stderr)
+            print(f"eagle3.evaluate error: {what} {p!r} has no config.json", file=sys.stderr)
             sys.exit(2)
     prompts = read_prompts(args.prompts)
     results = [
