@@ -3,7 +3,8 @@ to the worker per request (`SampleInfo`), the sender thread's input (`SendJob`),
 pool of the CUDA copy path (`PinnedPool`, buffers of at most `teacher.staging_bytes`), the configured-layer-order permutation (`layer_perm`),
 the loss mask built from a request's `loss_spans` (`spans_ok`, `loss_mask`), the spool lock
 (`take_lock`), the Publisher's stats file (`StatsWriter`) and the file of keys whose spool files
-it replays (`write_replay_keys`, `read_replay_keys`). No vLLM import here: only torch and distill.
+it replays (`write_replay_keys`, `read_replay_keys`) and where the connector's time goes
+(`ConnectorTiming`). No vLLM import here: only torch and distill.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -190,3 +191,29 @@ class StatsWriter:
         self._stop.set()
         self._thread.join()
         self.write()
+
+
+@dataclass
+class ConnectorTiming:
+    """Where the connector's time goes, logged once at shutdown as `distill: connector timing: {...}`
+    (the benchmarks read that line). The engine thread's deferrals, synchronous copies and waits on a
+    full sender queue; the sender thread's seconds waiting for device-to-host copies, copying (and
+    digesting) out of staging, and in submit."""
+
+    deferred: int = 0  # requests that waited for a free pinned buffer
+    pageable_copies: int = 0  # synchronous copies on the engine step (no pinned buffer, or shutdown)
+    engine_wait_s: float = 0.0  # the engine step waiting for room in the sender queue
+    wait_copy_s: float = 0.0  # the sender waiting for device-to-host copies to finish
+    copy_s: float = 0.0  # the sender copying out of staging (the digest fused in)
+    digest_s: float = 0.0  # the sender finishing the digest
+    submit_s: float = 0.0  # Publisher.submit
+    d2h_s: float = 0.0  # GPU time of the gathers and device-to-host copies (after the forward)
+    sender_busy_s: float = 0.0  # the sender thread's seconds per sample, summed (not queue waits)
+    queue_peak: int = 0  # most samples waiting for the sender thread at once
+    pieces: int = 0  # samples over teacher.staging_bytes, copied in pieces
+    staging_peak_bytes: int = 0  # the largest pinned buffer or one gather's tensors
+    last_placed_t: float = 0.0  # time.monotonic() of the last placed sample (when the sender went idle)
+
+    def line(self) -> dict:
+        """What the shutdown log line shows."""
+        return {k: round(v, 3) for k, v in asdict(self).items()}

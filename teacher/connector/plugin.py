@@ -38,42 +38,8 @@ Worker side (each worker process; only tensor-parallel rank 0 sends)
         distill-teacher's serve phase replays the spool and ends the run once every sample is
         committed.
 
-`kv_transfer_params` returned per request::
-
-    sample_key          the key of the sample (from the request's kv_transfer_params["sample_key"],
-                        default: vLLM's request id)
-    destination         "stream" (mode stream) or "spool" (mode spool)
-    teacher_id          transport.teacher_id when set
-    hidden_states_path  the spool file of this sample. Mode spool: always written. Mode stream:
-                        written only when the Publisher spools the sample (no student, memory
-                        full, or unacked at shutdown). With `use_lock` (default), vLLM's
-                        `load_hidden_states(path)` blocks on the lock until the sender decided,
-                        then loads the file; it raises FileNotFoundError when the sample was
-                        streamed instead. Every spooled file gets its `.lock` companion.
-
-vLLM returns these when the request finishes, before the worker copies the rows (one step later),
-so the final fate of a streamed sample is known from the Publisher's journal (acked keys) and the
-spool folder, not from the response. Per-request `kv_transfer_params` in: `sample_key` (str),
-`meta` (a small msgpack-able map carried in the sample header), `include_output_tokens` (bool),
-`verify` (bool: with `verify_dir` set, a copy of what is delivered is written there for the live
-probe, teacher/verify.py), `loss_spans` (the prompt's loss mask as [start, end) token spans;
-teacher/data.py's Prompter computes it), `capture` ("all" or "loss_mask": this request's
-`teacher.capture`).
-
-With capture `loss_mask` the loss mask is computed on the engine step, and only the rows of its
-ones are gathered off the cache (before the device-to-host copy, and before fp8 quantization:
-scales only for those rows); the sample says which in `positions` [R] int32 (distill/capture.py).
-
-Every sample carries `loss_mask` [num_tokens] uint8 next to `hidden_states` and `token_ids` (in the
-stream and in spool files; vLLM's `load_hidden_states` returns it as one more entry of its dict):
-the prompt's `loss_spans` clipped to the prompt (a truncated prompt keeps what is left of its
-mask), and 1 on every generated token. A request without `loss_spans` (e.g. an outside client of
-teacher.vllm_serve) gets a prompt of all ones, or of all zeros when its generated tokens are kept.
-
-Layer order: vLLM collects the extracted layers in execution order (ascending id) whatever the
-order of `eagle_aux_hidden_state_layer_ids`; the connector delivers them in the configured order
-(`layers` of every sample = that list, slot i holds layers[i]). Mode spool files carry
-`transport.teacher_id` (else host-pid-random) and a sequence number from 1, as a Publisher's do.
+What a request's `kv_transfer_params` say (in and out), the loss mask every sample carries, the
+rows `capture: loss_mask` keeps and the layer order: teacher/README.md, "Request parameters".
 """
 
 from __future__ import annotations
@@ -102,6 +68,7 @@ from distill.protocol import Sample
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 from teacher.connector.parts import (
+    ConnectorTiming,
     PinnedPool,
     SampleInfo,
     SendJob,
@@ -193,23 +160,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._pinned: PinnedPool | None = None  # CUDA staging buffers
         self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
-        # Where the time goes (logged at shutdown): the engine thread's synchronous copies (no
-        # pinned buffer free) and its waits on a full sender queue; the sender thread's seconds
-        # waiting for device-to-host copies, copying (and digesting) out of staging, and in submit.
-        self._timing: dict[str, float] = {
-            "deferred": 0,
-            "pageable_copies": 0,
-            "engine_wait_s": 0.0,
-            "wait_copy_s": 0.0,
-            "copy_s": 0.0,
-            "digest_s": 0.0,
-            "submit_s": 0.0,
-            "d2h_s": 0.0,  # GPU time of the gathers and device-to-host copies (after the forward)
-            "sender_busy_s": 0.0,  # the sender thread's seconds per sample, summed (not queue waits)
-            "queue_peak": 0,  # most samples waiting for the sender thread at once
-            "pieces": 0,  # samples over teacher.staging_bytes, copied in pieces
-            "staging_peak_bytes": 0,  # the largest pinned buffer or one gather's tensors
-        }
+        self._timing = ConnectorTiming()  # where the time goes (logged at shutdown)
         self._peak_lock = threading.Lock()  # staging_peak_bytes: engine and sender thread
         self._staged_token = 0  # bytes one token takes while staged (register_kv_caches)
         # Mode spool (no Publisher): the teacher id and sequence numbers the files carry, as a
@@ -400,11 +351,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 piece = _piece_tokens(self.cfg.staging_bytes, self._staged_token)
                 pieces = Pieces(kv, slots, perm, quantize, piece, stream=stream, staging=staging)
                 hosts = pieces.placeholders()
-                self._timing["pieces"] += 1
+                self._timing.pieces += 1
         if staging is not None:
             self._note_staging(staging.numel())
         elif kv.is_cuda:
-            self._timing["pageable_copies"] += 1  # no pinned pool (pinned_buffers: 0) or shutdown
+            self._timing.pageable_copies += 1  # no pinned pool (pinned_buffers: 0) or shutdown
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
             lock_fd = take_lock(info.path)
@@ -415,18 +366,18 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if quantize:
             job.hidden_scale, job.model_dtype = hosts[1], kv.dtype
         job.loss_mask, job.positions = mask, positions
-        self._timing["queue_peak"] = max(self._timing.get("queue_peak", 0), self._queue.qsize() + 1)
+        self._timing.queue_peak = max(self._timing.queue_peak, self._queue.qsize() + 1)
         try:
             self._queue.put_nowait(job)
         except queue.Full:  # the sender thread is behind: the engine step waits here
             t0 = time.perf_counter()
             self._queue.put(job)
-            self._timing["engine_wait_s"] += time.perf_counter() - t0
+            self._timing.engine_wait_s += time.perf_counter() - t0
         return True
 
     def _note_staging(self, nbytes: int) -> None:
         with self._peak_lock:
-            self._timing["staging_peak_bytes"] = max(self._timing.get("staging_peak_bytes", 0), nbytes)
+            self._timing.staging_peak_bytes = max(self._timing.staging_peak_bytes, nbytes)
 
     def _extract_or_defer(self, pending, info: SampleInfo | None) -> None:
         """Pending saves are copied in order: behind earlier deferred ones, or deferred too."""
@@ -434,7 +385,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             return
         self._deferred.append((pending, info))
         self._pending_copies[pending.req_id] = _DEFERRED
-        self._timing["deferred"] += 1
+        self._timing.deferred += 1
 
     def _retry_deferred(self) -> None:
         while self._deferred:
@@ -487,20 +438,16 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             finally:
                 if job.lock_fd is not None:
                     os.close(job.lock_fd)  # releases LOCK_EX: load_hidden_states readers proceed
-                self._timing["sender_busy_s"] = (
-                    self._timing.get("sender_busy_s", 0.0) + time.perf_counter() - t0
-                )
+                self._timing.sender_busy_s += time.perf_counter() - t0
 
     def _place(self, job: SendJob) -> None:
         hs = job.hidden_states
         if job.copy_done is not None:
             t0 = time.perf_counter()
             job.copy_done.synchronize()
-            self._timing["wait_copy_s"] += time.perf_counter() - t0
+            self._timing.wait_copy_s += time.perf_counter() - t0
             if job.copy_start is not None:
-                self._timing["d2h_s"] = (
-                    self._timing.get("d2h_s", 0.0) + job.copy_start.elapsed_time(job.copy_done) / 1000
-                )
+                self._timing.d2h_s += job.copy_start.elapsed_time(job.copy_done) / 1000
         # Names in sorted order: a spool file lists its tensors so, and its digest covers them in
         # the order the producer had them (the same order, then).
         tensors = {"hidden_states": hs}
@@ -528,7 +475,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 self._note_staging(job.pieces.peak)
             if job.staging is not None:
                 self._pinned.give(job.staging)
-            self._timing["copy_s"] += time.perf_counter() - t0
+            self._timing.copy_s += time.perf_counter() - t0
         x3t = None
         if tree:
             # The xxh3 tree digest. Staged whole: its 4 MiB leaves were hashed inside the copy
@@ -537,7 +484,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             t0 = time.perf_counter()
             values = list(tensors.values())
             x3t = fused.root(values) if fused is not None else self._digest(values)
-            self._timing["digest_s"] += time.perf_counter() - t0
+            self._timing.digest_s += time.perf_counter() - t0
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", num_tokens)
         if job.model_dtype is not None:
@@ -559,8 +506,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         else:
             t0 = time.perf_counter()
             where = self._publisher.submit(sample, slot=slot)
-            self._timing["submit_s"] += time.perf_counter() - t0
-        self._timing["last_placed_t"] = time.monotonic()  # (benchmarks: when the sender went idle)
+            self._timing.submit_s += time.perf_counter() - t0
+        self._timing.last_placed_t = time.monotonic()
         if where.startswith("stream:"):
             self._placed["stream"] += 1
             if job.lock_fd is not None:
@@ -632,5 +579,4 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._sender is not None:
             pinned = self._pinned._count if self._pinned is not None else 0
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
-            timing = {k: round(v, 3) for k, v in self._timing.items()}
-            logger.info("distill: connector timing: %s", timing)
+            logger.info("distill: connector timing: %s", self._timing.line())

@@ -140,6 +140,7 @@ def _cpu_connector(tmp_path, hidden_dtype: str, capture: str):
 
     from teacher.config import ConnectorConfig
     from teacher.connector import DistillHiddenStatesConnector
+    from teacher.connector.parts import ConnectorTiming
 
     conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)
     conn.cfg = ConnectorConfig(
@@ -151,7 +152,7 @@ def _cpu_connector(tmp_path, hidden_dtype: str, capture: str):
     )
     conn.layer_ids, conn._perm = [3, 1], torch.tensor([1, 0])
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
-    conn._timing = dict.fromkeys(("pageable_copies", "engine_wait_s", "digest_s", "submit_s"), 0)
+    conn._timing = ConnectorTiming()
     conn._copy_pool = None  # the CPU path: no copy threads
     conn._publisher, conn._lock_fds, conn._pending_copies, conn.use_lock = None, {}, {}, False
     conn._queue = queue.Queue()

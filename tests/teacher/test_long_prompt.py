@@ -177,6 +177,7 @@ def _connector(tmp_path, kv, tcfg, staging_bytes):
 
     from teacher.config import ConnectorConfig
     from teacher.connector import DistillHiddenStatesConnector
+    from teacher.connector.parts import ConnectorTiming
 
     conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)  # no engine needed
     conn.cfg = ConnectorConfig(
@@ -185,10 +186,7 @@ def _connector(tmp_path, kv, tcfg, staging_bytes):
     conn.layer_ids, conn._perm, conn._perm_dev = [3, 1], torch.tensor([1, 0]), None
     conn._kv_cache, conn._cache, conn._block_size = kv, kv, kv.shape[2]
     conn._staged_token = token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), False)
-    conn._timing = dict.fromkeys(
-        ("pieces", "staging_peak_bytes", "pageable_copies", "wait_copy_s", "copy_s", "digest_s", "submit_s"),
-        0,
-    )
+    conn._timing = ConnectorTiming()
     conn._peak_lock = threading.Lock()
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
     conn._pinned = conn._copy_pool = None
@@ -243,8 +241,8 @@ def test_connector_places_long_samples_in_pieces_and_one_over_the_memory_bound_v
         assert conn._placed == {"stream": 1, "spool": 1, "errors": 0}  # "long" was spooled ...
         assert st["replayed"] == 1  # ... and replayed to the student, not left waiting for room
         assert st["shm_samples"] == 2  # "mid" in the slot the pieces filled, "long" read into one
-    assert conn._timing["pieces"] == 2
-    assert 0 < conn._timing["staging_peak_bytes"] <= MiB // 2
+    assert conn._timing.pieces == 2
+    assert 0 < conn._timing.staging_peak_bytes <= MiB // 2
 
 
 # ---------------------------------------------------------------------------------------------

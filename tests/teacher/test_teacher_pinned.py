@@ -11,7 +11,7 @@ from waiting import wait_until
 
 pytest.importorskip("vllm")
 
-from teacher.connector.parts import PinnedPool  # noqa: E402
+from teacher.connector.parts import ConnectorTiming, PinnedPool  # noqa: E402
 
 MiB = 1 << 20
 
@@ -73,7 +73,7 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
     )
     conn.layer_ids = [1, 2]
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
-    conn._timing = dict.fromkeys(("pageable_copies", "wait_copy_s", "copy_s", "digest_s", "submit_s"), 0)
+    conn._timing = ConnectorTiming()
     conn._pinned = PinnedPool(1, pin=False)
     conn._copy_pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
     shape = (rows, 2, 1024)
@@ -105,7 +105,7 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
         assert torch.equal(s.tensors["token_ids"], torch.arange(rows))
         # The digest the copy threads computed is the tree digest of what the student holds.
         assert s.x3t is not None and s.x3t == P.x3t_of([P.tensor_bytes(t) for t in s.tensors.values()])
-        assert conn._timing["copy_s"] > 0 and conn._timing["digest_s"] > 0
+        assert conn._timing.copy_s > 0 and conn._timing.digest_s > 0
         ring = 1 if shm == "auto" else 0
         assert sub.stats().get("shm_samples", 0) == ring and pub.stats().get("shm_samples", 0) == ring
         sub.ack(s)
@@ -184,7 +184,7 @@ def test_busy_pinned_pool_defers_the_copy_and_keeps_the_blocks_in_order():
     conn._pending_copies = {}
     conn._finished_reqs = set()
     conn._lock_fds = {}
-    conn._timing = {"deferred": 0}
+    conn._timing = ConnectorTiming()
     conn._sender_error = None
     free = {"buffers": 0}
     copied = []
@@ -206,7 +206,7 @@ def test_busy_pinned_pool_defers_the_copy_and_keeps_the_blocks_in_order():
 
     for rid in ("a", "b"):
         conn._extract_or_defer(Pending(rid), None)
-    assert [p.req_id for p, _ in conn._deferred] == ["a", "b"] and conn._timing["deferred"] == 2
+    assert [p.req_id for p, _ in conn._deferred] == ["a", "b"] and conn._timing.deferred == 2
     assert conn._pending_copies == {"a": _DEFERRED, "b": _DEFERRED}
     # The scheduler reports both finished: their blocks stay held while they wait.
     assert conn.get_finished({"a", "b"}) == (None, None)
