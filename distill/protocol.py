@@ -507,60 +507,12 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     specs = _required(header, "t", list)
     if len(specs) > MAX_TENSORS:
         raise ProtocolError("field", f"{len(specs)} tensors > {MAX_TENSORS}")
-    crc = header.get("crc")
-    if crc is not None and not (_type_ok(crc, "int") and 0 <= crc < 1 << 32):
-        raise ProtocolError("field", "crc must be an unsigned 32-bit int")
-    x3 = header.get("x3")
-    if x3 is not None and not (_type_ok(x3, "int") and 0 <= x3 < 1 << 64):
-        raise ProtocolError("field", "x3 must be an unsigned 64-bit int")
-    x3t = header.get("x3t")
-    if x3t is not None and not (_type_ok(x3t, "int") and 0 <= x3t < 1 << 64):
-        raise ProtocolError("field", "x3t must be an unsigned 64-bit int")
+    crc, x3, x3t = _digest_fields(header)
     shm = header.get("shm")
-    tensors: dict[str, torch.Tensor] = {}
-    bufs = []
     if shm is not None:
-        if frames:
-            raise ProtocolError("frames", f"shared-memory sample with {len(frames)} extra frames")
-        if (
-            not isinstance(shm, list)
-            or len(shm) != 4
-            or not isinstance(shm[0], str)
-            or not isinstance(shm[1], list)
-            or len(shm[1]) != len(specs)
-            or not _type_ok(shm[2], "int")
-            or not _type_ok(shm[3], "int")
-            or shm[2] < 0
-        ):
-            raise ProtocolError("field", "shm must be [segment, [offset per tensor], stamp offset, stamp]")
-        if shm_resolver is None:
-            raise ProtocolError("field", "shared-memory sample on a connection without shared memory")
-        for spec, off in zip(specs, shm[1], strict=True):
-            name, dtype, shape, _idx, nbytes = _check_spec(spec, None)
-            if not isinstance(off, int) or off < 0:
-                raise ProtocolError("field", f"bad shm offset {off!r}")
-            try:
-                buf = shm_resolver(shm[0], off, nbytes)
-            except (OSError, ValueError) as e:
-                raise ProtocolError("field", f"shm reference not readable: {e}") from None
-            bufs.append(buf)
-            tensors[name] = tensor_view(buf, dtype, shape)
+        tensors, bufs = _shm_views(shm, specs, frames, shm_resolver)
     else:
-        if len(frames) != len(specs):
-            raise ProtocolError("frames", f"header declares {len(specs)} tensors, got {len(frames)} frames")
-        for i, spec in enumerate(specs):
-            name, dtype, shape, idx, nbytes = _check_spec(spec, len(frames))
-            if idx != i + 1:
-                raise ProtocolError("frames", f"tensor {name!r} names frame {idx}, expected {i + 1}")
-            f = frames[i]
-            buf = memoryview(f.buffer if hasattr(f, "buffer") else f)
-            if buf.nbytes != nbytes:
-                raise ProtocolError(
-                    "length",
-                    f"tensor {name!r} {shape} {spec[1]} needs {nbytes} bytes, frame has {buf.nbytes}",
-                )
-            bufs.append(buf)
-            tensors[name] = tensor_view(buf, dtype, shape)
+        tensors, bufs = _frame_views(specs, frames)
     bad = digest_mismatch(bufs, crc, x3, x3t)
     if bad is not None:
         raise ProtocolError("checksum", f"payload {bad[0]} mismatch for sample {key!r}")
@@ -572,3 +524,68 @@ def decode_sample(header: dict, frames: list, shm_resolver=None) -> Sample:
     if shm is not None:
         out.stamp = (shm[0], shm[2], shm[3])
     return out
+
+
+def _digest_fields(header: dict) -> tuple[int | None, int | None, int | None]:
+    """The header's digests (`crc`, `x3`, `x3t`), each None or an unsigned int of its width."""
+    out = []
+    for name, bits in (("crc", 32), ("x3", 64), ("x3t", 64)):
+        v = header.get(name)
+        if v is not None and not (_type_ok(v, "int") and 0 <= v < 1 << bits):
+            raise ProtocolError("field", f"{name} must be an unsigned {bits}-bit int")
+        out.append(v)
+    return out[0], out[1], out[2]
+
+
+def _shm_views(shm, specs: list, frames: list, shm_resolver) -> tuple[dict[str, torch.Tensor], list]:
+    """A shared-memory sample's tensors: views of the ring at the header's offsets."""
+    if frames:
+        raise ProtocolError("frames", f"shared-memory sample with {len(frames)} extra frames")
+    if (
+        not isinstance(shm, list)
+        or len(shm) != 4
+        or not isinstance(shm[0], str)
+        or not isinstance(shm[1], list)
+        or len(shm[1]) != len(specs)
+        or not _type_ok(shm[2], "int")
+        or not _type_ok(shm[3], "int")
+        or shm[2] < 0
+    ):
+        raise ProtocolError("field", "shm must be [segment, [offset per tensor], stamp offset, stamp]")
+    if shm_resolver is None:
+        raise ProtocolError("field", "shared-memory sample on a connection without shared memory")
+    tensors: dict[str, torch.Tensor] = {}
+    bufs = []
+    for spec, off in zip(specs, shm[1], strict=True):
+        name, dtype, shape, _idx, nbytes = _check_spec(spec, None)
+        if not isinstance(off, int) or off < 0:
+            raise ProtocolError("field", f"bad shm offset {off!r}")
+        try:
+            buf = shm_resolver(shm[0], off, nbytes)
+        except (OSError, ValueError) as e:
+            raise ProtocolError("field", f"shm reference not readable: {e}") from None
+        bufs.append(buf)
+        tensors[name] = tensor_view(buf, dtype, shape)
+    return tensors, bufs
+
+
+def _frame_views(specs: list, frames: list) -> tuple[dict[str, torch.Tensor], list]:
+    """A framed sample's tensors: views of its frames, one per tensor in order."""
+    if len(frames) != len(specs):
+        raise ProtocolError("frames", f"header declares {len(specs)} tensors, got {len(frames)} frames")
+    tensors: dict[str, torch.Tensor] = {}
+    bufs = []
+    for i, spec in enumerate(specs):
+        name, dtype, shape, idx, nbytes = _check_spec(spec, len(frames))
+        if idx != i + 1:
+            raise ProtocolError("frames", f"tensor {name!r} names frame {idx}, expected {i + 1}")
+        f = frames[i]
+        buf = memoryview(f.buffer if hasattr(f, "buffer") else f)
+        if buf.nbytes != nbytes:
+            raise ProtocolError(
+                "length",
+                f"tensor {name!r} {shape} {spec[1]} needs {nbytes} bytes, frame has {buf.nbytes}",
+            )
+        bufs.append(buf)
+        tensors[name] = tensor_view(buf, dtype, shape)
+    return tensors, bufs
