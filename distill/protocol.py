@@ -20,7 +20,7 @@ Sample header keys::
     x3      optional xxh3-64 of the tensor bytes, in tensor order (seed 0, unsigned 64-bit int;
             `transport.checksum: xxh3`, the default)
     x3t     optional xxh3 tree digest (`transport.checksum: xxh3-tree`; version 3):
-            each tensor's bytes, in tensor order, are cut into DIGEST_CHUNK-byte (4 MiB) chunks (the last
+            each tensor's bytes, in tensor order, are cut into 4 MiB chunks (distill/digest.py) (the last
             one shorter; an empty tensor has none), each chunk gets its xxh3-64 (seed 0), and
             `x3t` is the xxh3-64 of those chunk digests written as unsigned 64-bit little-endian
             integers, in order. The chunks can be hashed in parallel, by the threads that copy
@@ -42,15 +42,14 @@ unpickled; msgpack is decoded with strict limits. Every way a message can be mal
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
-import xxhash
 
 from distill.capture import POSITIONS_KEY, positions_problem
+from distill.digest import crc32_of, digest_mismatch, x3t_of, xxh3_of
 from distill.errors import ProtocolError
 
 # 2: COMMIT / ACKED / REFUSE, tid in ACK, slot stamps in shm references; 3: the `x3t` digest;
@@ -66,7 +65,6 @@ MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: anything declared larger is absurd
 # Payload checksums a producer can attach (`transport.checksum`): crc32 -> header key `crc`, xxh3 -> `x3`,
 # xxh3-tree -> `x3t`.
 CHECKSUMS = ("none", "crc32", "xxh3", "xxh3-tree")
-DIGEST_CHUNK = 4 << 20  # bytes per leaf of the `x3t` tree digest (part of the format: never change)
 
 # Message kinds. Teacher -> student: SAMPLE, WELCOME, HEARTBEAT, DRAIN, END, RESET, REFUSE.
 # Student -> teacher: HELLO, CREDIT, ACK, COMMIT, ACKED, HEARTBEAT, BYE.
@@ -210,74 +208,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     # uint8 view keeps bf16 (which numpy lacks) exact.
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def crc32_of(buffers: list) -> int:
-    """CRC32 of the buffers' bytes, in order (what `crc` in a header means)."""
-    crc = 0
-    for b in buffers:
-        crc = zlib.crc32(b, crc)
-    return crc
-
-
-def xxh3_of(buffers: list) -> int:
-    """xxh3-64 (seed 0) of the buffers' bytes, in order (what `x3` in a header means)."""
-    h = xxhash.xxh3_64()
-    for b in buffers:
-        h.update(b)
-    return h.intdigest()
-
-
-def chunk_digests(buf, chunk: int = DIGEST_CHUNK) -> list[int]:
-    """xxh3-64 of each `chunk`-byte piece of one tensor's bytes (the leaves of `x3t`)."""
-    mv = memoryview(buf).cast("B")
-    return [xxhash.xxh3_64_intdigest(mv[i : i + chunk]) for i in range(0, mv.nbytes, chunk)]
-
-
-def x3t_combine(leaves: list[int]) -> int:
-    """The `x3t` root over the chunk digests of every tensor, in tensor order."""
-    return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in leaves))
-
-
-def x3t_of(buffers: list) -> int:
-    """xxh3 tree digest of the buffers (one per tensor, in order): what `x3t` in a header means."""
-    leaves: list[int] = []
-    for b in buffers:
-        leaves += chunk_digests(b)
-    return x3t_combine(leaves)
-
-
-class ChunkDigests:
-    """Collects the `x3t` leaves of one sample's tensors, computed piecewise (possibly by several
-    threads, each for its own chunk range) while the bytes are copied; `root()` gives the digest.
-
-    `add(tensor_index, first_chunk, digests)` records the digests of chunks first_chunk.. of
-    tensor `tensor_index`; `root()` checks every chunk of every tensor was recorded."""
-
-    def __init__(self, nbytes_per_tensor: list[int], chunk: int = DIGEST_CHUNK):
-        self.chunk = chunk
-        self._leaves = [[None] * (-(-n // chunk)) for n in nbytes_per_tensor]
-
-    def add(self, tensor_index: int, first_chunk: int, digests: list[int]) -> None:
-        self._leaves[tensor_index][first_chunk : first_chunk + len(digests)] = digests
-
-    def root(self) -> int:
-        flat = [d for leaves in self._leaves for d in leaves]
-        if any(d is None for d in flat):
-            raise ValueError("x3t: a chunk was not digested")
-        return x3t_combine(flat)
-
-
-def digest_mismatch(
-    bufs: list, crc: int | None, x3: int | None, x3t: int | None = None
-) -> tuple[str, int, int] | None:
-    """(algorithm, computed, recorded) of the first recorded digest the bytes do not match."""
-    for name, want, fn in (("xxh3 tree", x3t, x3t_of), ("xxh3-64", x3, xxh3_of), ("CRC32", crc, crc32_of)):
-        if want is not None:
-            got = fn(bufs)
-            if got != want:
-                return name, got, want
-    return None
 
 
 def sample_crc(sample: Sample) -> int:

@@ -28,9 +28,10 @@ import torch
 from safetensors.torch import save_file
 
 from distill.capture import positions_problem
+from distill.digest import digest_mismatch
 from distill.errors import SpoolChecksumError, SpoolFormatError
 from distill.fp8 import dequantize_sample
-from distill.protocol import Sample, digest_mismatch, sample_x3, tensor_bytes
+from distill.protocol import Sample, sample_x3, tensor_bytes
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from distill import fp8
-from distill.protocol import DIGEST_CHUNK, ChunkDigests, chunk_digests, tensor_bytes
+from distill.digest import DIGEST_CHUNK, ChunkDigests, chunk_digests
+from distill.protocol import tensor_bytes
 
 MiB = 1 << 20
 ALIGN = 64  # each part of a staged sample starts 64-byte aligned in its buffer

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 import torch
 
+from distill import digest as D
 from distill import protocol as P
 from distill.errors import ProtocolError
 from distill.protocol import Sample
@@ -103,7 +104,7 @@ def test_flipped_payload_byte_is_a_checksum_error_naming_the_algorithm(checksum)
     assert ei.value.reason == "checksum"
     assert {"xxh3": "xxh3-64", "xxh3-tree": "xxh3 tree", "crc32": "CRC32"}[checksum] in str(ei.value)
     # All digests present: each one is checked.
-    both = {**h, "crc": P.crc32_of(f), "x3": P.xxh3_of(f), "x3t": P.x3t_of(f)}
+    both = {**h, "crc": D.crc32_of(f), "x3": D.xxh3_of(f), "x3t": D.x3t_of(f)}
     out = P.decode_sample(P.decode_header(P.pack(both)), f)
     assert (out.crc, out.x3, out.x3t) == (both["crc"], both["x3"], both["x3t"])
     for k in ("crc", "x3", "x3t"):
@@ -117,7 +118,7 @@ def test_x3t_is_the_xxh3_of_the_4_mib_chunk_digests_of_each_tensor_in_order():
 
     g = torch.Generator().manual_seed(1)
     C = 4 << 20
-    assert P.DIGEST_CHUNK == C
+    assert D.DIGEST_CHUNK == C
     hs = torch.randint(0, 255, (5 * C // 2 + 7,), dtype=torch.uint8, generator=g)  # 2.5 chunks + 7
     s = Sample(
         key="k",
@@ -134,12 +135,12 @@ def test_x3t_is_the_xxh3_of_the_4_mib_chunk_digests_of_each_tensor_in_order():
     h, _ = P.sample_header(s, checksum="xxh3-tree")
     assert h["x3t"] == want and "x3" not in h and "crc" not in h
     # Collected piecewise, out of order, as the connector's copy threads do: the same root.
-    d = P.ChunkDigests([len(r) for r in raws])
-    d.add(2, 0, P.chunk_digests(raws[2]))
-    d.add(0, 2, P.chunk_digests(raws[0][2 * C :]))
+    d = D.ChunkDigests([len(r) for r in raws])
+    d.add(2, 0, D.chunk_digests(raws[2]))
+    d.add(0, 2, D.chunk_digests(raws[0][2 * C :]))
     with pytest.raises(ValueError, match="not digested"):
         d.root()  # chunks 0-1 of tensor 0 missing
-    d.add(0, 0, P.chunk_digests(raws[0][: 2 * C]))
+    d.add(0, 0, D.chunk_digests(raws[0][: 2 * C]))
     assert d.root() == want
     # Cutting the bytes into tensors elsewhere than at a chunk boundary changes the root (the
     # shapes themselves are the header's, checked against the frames, as for x3).
@@ -232,7 +233,7 @@ def _wire_format_fingerprint() -> str:
         "controls": {P.KIND_NAMES[k]: sorted(v.items()) for k, v in P.CONTROL_FIELDS.items()},
         "dtypes": sorted((k, str(v)) for k, v in P.DTYPES.items()),
         "checksums": list(P.CHECKSUMS),
-        "digest_chunk": P.DIGEST_CHUNK,
+        "digest_chunk": D.DIGEST_CHUNK,
         "sample_headers": headers,
         "tensor_names": [POSITIONS_KEY, fp8.SCALE_KEY],
     }

@@ -58,6 +58,7 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
 
     import distill.protocol as P
     from distill.config import SpoolConfig, TransportConfig
+    from distill.digest import x3t_of
     from distill.transport import Publisher, Subscriber
     from teacher.config import ConnectorConfig
     from teacher.connector import DistillHiddenStatesConnector
@@ -104,7 +105,7 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
         assert torch.equal(s.tensors["hidden_states"], want)
         assert torch.equal(s.tensors["token_ids"], torch.arange(rows))
         # The digest the copy threads computed is the tree digest of what the student holds.
-        assert s.x3t is not None and s.x3t == P.x3t_of([P.tensor_bytes(t) for t in s.tensors.values()])
+        assert s.x3t is not None and s.x3t == x3t_of([P.tensor_bytes(t) for t in s.tensors.values()])
         assert conn._timing.copy_s > 0 and conn._timing.digest_s > 0
         ring = 1 if shm == "auto" else 0
         assert sub.stats().get("shm_samples", 0) == ring and pub.stats().get("shm_samples", 0) == ring
