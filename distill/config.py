@@ -63,9 +63,8 @@ class TransportConfig(Strict):
     # up with exit code 3; while waiting, a restarted teacher is picked up at once.
     teacher_wait_s: float = Field(600.0, gt=0)
     # Student credit window: unacked samples / bytes it may hold (memory bound on the student).
-    # Cover a few micro-batches: acks come after the optimizer step, so a window of one or two
-    # batches makes the student wait for the teacher to refill it, and caps its batches (an H200
-    # student of ~18-sample batches fed from a spool: 109k tok/s at 32, 146k at 64).
+    # Cover three or more micro-batches: acks come after the optimizer step, so a window of one or
+    # two batches makes the student wait for the teacher to refill it, and caps its batches.
     credit_samples: int = Field(64, gt=0)
     credit_bytes: int = Field(1 * GiB, gt=0)
     # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),

@@ -50,9 +50,10 @@ class ConnectorTuning(Strict):
     # Samples copied off the cache but not yet handed to the Publisher; beyond it the engine step
     # waits (only when even the spool cannot keep up).
     queue_samples: int = Field(64, gt=0)
-    # CUDA only: reused pinned staging buffers for the device-to-host copy. Keep it >= the requests
-    # that finish per engine step: the rest are copied synchronously on the engine's thread (H200,
-    # Qwen3-8B: 4 buffers gave 0.80x plain prefill, 32 gave 0.977x generate; BENCHMARKS.md).
+    # CUDA only: reused pinned staging buffers for the device-to-host copy, one per request from its
+    # end until the sender copied it out. Keep it at 2-3x the requests that finish per engine step:
+    # a request that finds none free waits for a later step (BENCHMARKS.md, "Where the sender's
+    # time goes").
     pinned_buffers: int = Field(32, ge=0)
     # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
@@ -62,9 +63,9 @@ class ConnectorTuning(Strict):
     # and the rows it gathers off the cache in one step (with fp8 also their float32 work copies).
     # A longer sample is copied in pieces of at most half of it (one piece copied out while the next
     # comes off the device) straight into its destination, which still holds the whole sample.
-    # Default 512 MiB: Qwen3-8B samples in bf16 go in one piece, as before this setting, below 16k
-    # tokens with 4 layers (32 KiB a token), 8k with 8, and 2.9k with 4 layers in fp8 (its work
-    # copies: 176 KiB a token). At least 1 MiB.
+    # Default 512 MiB: Qwen3-8B samples in bf16 go in one piece below 16k tokens with 4 layers
+    # (32 KiB a token), 8k with 8, and 2.9k with 4 layers in fp8 (its work copies: 176 KiB a
+    # token). At least 1 MiB.
     staging_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)
     # The dtype hidden states travel and are spooled in: `model` (the model's own), or `fp8`:
     # float8 e4m3 with one float32 scale per token and layer (distill/fp8.py), half the bytes;
