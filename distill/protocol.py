@@ -18,13 +18,13 @@ Sample header keys::
     meta    small metadata map (str -> msgpack scalar / list / map)
     crc     optional CRC32 of the tensor bytes, in tensor order (zlib.crc32, unsigned 32-bit)
     x3      optional xxh3-64 of the tensor bytes, in tensor order (seed 0, unsigned 64-bit int;
-            `transport.checksum: xxh3`, the default)
-    x3t     optional xxh3 tree digest (`transport.checksum: xxh3-tree`; version 3):
-            each tensor's bytes, in tensor order, are cut into 4 MiB chunks (distill/digest.py) (the last
-            one shorter; an empty tensor has none), each chunk gets its xxh3-64 (seed 0), and
+            `transport.checksum: xxh3`)
+    x3t     optional xxh3 tree digest (`transport.checksum: xxh3-tree`, the default; version 3):
+            each tensor's bytes, in tensor order, are cut into 4 MiB chunks (the last one
+            shorter; an empty tensor has none), each chunk gets its xxh3-64 (seed 0), and
             `x3t` is the xxh3-64 of those chunk digests written as unsigned 64-bit little-endian
             integers, in order. The chunks can be hashed in parallel, by the threads that copy
-            them, while their bytes are still in cache (`ChunkDigests`).
+            them, while their bytes are still in cache (distill/digest.py: `ChunkDigests`).
             A header may carry `crc`, `x3`, `x3t`, any or none; every one present is verified
             (mismatch: ProtocolError("checksum"))
     shm     optional shared-memory reference: [segment_name, [offset, ...], stamp_offset, stamp]
