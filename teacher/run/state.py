@@ -55,23 +55,9 @@ def say(line: str) -> None:
     print(f"distill-teacher: {line}", file=sys.stderr, flush=True)
 
 
-class _GenerateTotal:
-    """A read-only `Run` attribute: one GenerateResult counter summed over the generate phases."""
-
-    def __init__(self, counter: str, doc: str = ""):
-        self.counter = counter
-        self.__doc__ = doc or f"The generate phases' {counter}, summed."
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, run: Run | None, owner=None):
-        if run is None:
-            return self
-        return sum(getattr(g, self.counter) for g in run._generated())
-
-    def __set__(self, run: Run, value) -> None:
-        raise AttributeError(f"Run.{self.name} is derived from the phases' results")
+def _generate_total(counter: str, doc: str = "") -> property:
+    """A read-only `Run` total: one GenerateResult counter summed over the generate phases so far."""
+    return property(lambda run: sum(getattr(g, counter) for g in run._generated()), doc=doc or None)
 
 
 @dataclass
@@ -107,12 +93,12 @@ class Run:
         return [g for g in list(self.results) if isinstance(g, GenerateResult)]
 
     # Totals over the generate phases so far, each the sum of one GenerateResult counter.
-    generated = _GenerateTotal("samples", "Samples that went through vLLM (this invocation, all rounds).")
-    tokens = _GenerateTotal("tokens")
-    nbytes = _GenerateTotal("nbytes")
-    generate_s = _GenerateTotal("engine_s")
-    truncated = _GenerateTotal("truncated")
-    regenerated = _GenerateTotal("regenerated", "Samples generated more than once by this invocation.")
+    generated = _generate_total("samples", "Samples that went through vLLM (this invocation, all rounds).")
+    tokens = _generate_total("tokens")
+    nbytes = _generate_total("nbytes")
+    generate_s = _generate_total("engine_s")
+    truncated = _generate_total("truncated")
+    regenerated = _generate_total("regenerated", "Samples generated more than once by this invocation.")
 
     def generated_keys(self) -> frozenset[str]:
         return frozenset().union(*(g.keys for g in self._generated()))
