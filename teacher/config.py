@@ -50,11 +50,11 @@ class ConnectorTuning(Strict):
     # Samples copied off the cache but not yet handed to the Publisher; beyond it the engine step
     # waits (only when even the spool cannot keep up).
     queue_samples: int = Field(64, gt=0)
-    # CUDA only: reused pinned staging buffers for the device-to-host copy, one per request from its
-    # end until the sender copied it out. Keep it at 2-3x the requests that finish per engine step:
-    # a request that finds none free waits for a later step (BENCHMARKS.md, "Where the sender's
-    # time goes").
-    pinned_buffers: int = Field(32, ge=0)
+    # CUDA only: the most reused pinned staging buffers for the device-to-host copy, one per request
+    # from its end until the sender copied it out; the pool allocates one only when no idle buffer
+    # is large enough. Keep it at 3-4x the requests that finish per engine step: a request that
+    # finds none free waits for a later step (BENCHMARKS.md, "Pinned buffers: 32 or 64").
+    pinned_buffers: int = Field(64, ge=0)
     # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.
