@@ -963,18 +963,26 @@ def run_one(args):
 
 
 def _tail(r: dict) -> dict:
-    """Where the last timed pass's time after generate() went: until the connector's sender thread
-    placed its last sample (`sender_s`; the connector's `last_placed_t`) and until the receivers
-    had checked the last one (`receivers_s`). A sender_s close to receivers_s: the sender was
-    behind; a small sender_s: the receivers were."""
+    """Where the last timed pass's time after generate() went, each relative to its end (negative:
+    before it): the engine thread queued the last sample for the sender (`queued_s`; the
+    connector's `last_queued_t`), the sender had its rows off the device (`on_host_s`), placed it
+    (`sender_s`; `last_placed_t`), and the receivers had checked the last one (`receivers_s`). A
+    sender_s close to receivers_s: the sender was behind; a small sender_s: the receivers were."""
     passes = r.get("passes") or []
     if not passes or "t_generate_end" not in passes[-1]:
         return {}
     p = passes[-1]
     out = {"receivers_s": round(p["t_last_received"] - p["t_generate_end"], 3)}
     timing = ((r.get("connector") or {}).get("timing")) or {}
-    if isinstance(timing, dict) and timing.get("last_placed_t"):
-        out["sender_s"] = round(timing["last_placed_t"] - p["t_generate_end"], 3)
+    if not isinstance(timing, dict):
+        return out
+    for key, name in (
+        ("last_queued_t", "queued_s"),
+        ("last_on_host_t", "on_host_s"),
+        ("last_placed_t", "sender_s"),
+    ):
+        if timing.get(key):
+            out[name] = round(timing[key] - p["t_generate_end"], 3)
     return out
 
 

@@ -212,7 +212,9 @@ class ConnectorTiming:
     queue_peak: int = 0  # most samples waiting for the sender thread at once
     pieces: int = 0  # samples over teacher.staging_bytes, copied in pieces
     staging_peak_bytes: int = 0  # the largest pinned buffer or one gather's tensors
-    last_placed_t: float = 0.0  # time.monotonic() of the last placed sample (when the sender went idle)
+    last_queued_t: float = 0.0  # time.monotonic() the engine thread queued the last sample for the sender
+    last_on_host_t: float = 0.0  # ... the sender had the last sample's rows off the device
+    last_placed_t: float = 0.0  # ... the sender placed the last sample (and went idle)
 
     def line(self) -> dict:
         """What the shutdown log line shows."""

@@ -373,6 +373,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             t0 = time.perf_counter()
             self._queue.put(job)
             self._timing.engine_wait_s += time.perf_counter() - t0
+        self._timing.last_queued_t = time.monotonic()
         return True
 
     def _note_staging(self, nbytes: int) -> None:
@@ -448,6 +449,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._timing.wait_copy_s += time.perf_counter() - t0
             if job.copy_start is not None:
                 self._timing.d2h_s += job.copy_start.elapsed_time(job.copy_done) / 1000
+        if job.pieces is None:
+            self._timing.last_on_host_t = time.monotonic()  # (pieces: once the last is copied)
         # Names in sorted order: a spool file lists its tensors so, and its digest covers them in
         # the order the producer had them (the same order, then).
         tensors = {"hidden_states": hs}
@@ -473,6 +476,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if job.pieces is not None:  # (a failure stops the engine: the slot is not given back)
                 job.pieces.run([tensors[k] for k in tensors if k in _STAGED], copy=self._copy)
                 self._note_staging(job.pieces.peak)
+                self._timing.last_on_host_t = time.monotonic()
             if job.staging is not None:
                 self._pinned.give(job.staging)
             self._timing.copy_s += time.perf_counter() - t0

@@ -327,3 +327,5 @@ def test_vllm_long_prompt_within_the_staging_bound_is_bitwise_the_unbounded_samp
     assert bounded["pieces"] == 2 and default["pieces"] == 0
     assert 0 < bounded["staging_peak_bytes"] <= MiB
     assert default["staging_peak_bytes"] == 2000 * 4 * 128 * 4  # the long prompt's block in one gather
+    for t in (bounded, default):  # the last sample's stamps, in the order its path takes them
+        assert 0 < t["last_queued_t"] <= t["last_on_host_t"] <= t["last_placed_t"], t
