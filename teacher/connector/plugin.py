@@ -329,8 +329,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 return False  # every pinned buffer busy: later, never a synchronous copy here
             stream = self._get_copy_stream()
             ready = torch.cuda.Event()
-            ready.record()
-            stream.wait_event(ready)  # the copy sees every write of the forward pass
+            ready.record()  # at bind time: before this step's forward, after every earlier write
+            stream.wait_event(ready)
             copy_start = torch.cuda.Event(enable_timing=True)
             copy_start.record(stream)
         with torch.cuda.stream(stream) if stream is not None else nullcontext(), _sync_allowed():
@@ -395,18 +395,30 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 return
             self._deferred.popleft()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def _check_sender(self) -> None:
         if self._sender_error is not None:
             raise RuntimeError(
                 f"distill sender thread failed: {self._sender_error!r}"
             ) from self._sender_error
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """Every step, before its forward is launched: the pending saves (requests that finished in
+        an earlier step, whose rows every earlier kernel has written, the drafter's included) are
+        taken off the cache here, so on CUDA their copy overlaps this step's forward instead of
+        waiting for it (the copy stream waits on an event recorded now, teacher/README.md,
+        "Where the time goes")."""
+        super().bind_connector_metadata(connector_metadata)
+        self._check_sender()  # a dead sender would never take a queued job
         self._retry_deferred()
-        if self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, _ref.ExampleHiddenStatesConnectorMetadata) and self._is_tp_rank_zero:
-                samples = getattr(meta, "distill_samples", {})
-                for pending in meta.pending_saves:
-                    self._extract_or_defer(pending, samples.get(pending.req_id))
+        meta = connector_metadata
+        if isinstance(meta, _ref.ExampleHiddenStatesConnectorMetadata) and self._is_tp_rank_zero:
+            samples = getattr(meta, "distill_samples", {})
+            for pending in meta.pending_saves:
+                self._extract_or_defer(pending, samples.get(pending.req_id))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._check_sender()
+        self._retry_deferred()  # buffers the sender gave back during this step's forward
         self._finished_reqs.update(finished_req_ids)
         done: set[str] = set()
         for req_id in list(self._finished_reqs):
