@@ -203,11 +203,12 @@ class ConnectorTiming:
     deferred: int = 0  # requests that waited for a free pinned buffer
     pageable_copies: int = 0  # synchronous copies on the engine step (no pinned buffer, or shutdown)
     engine_wait_s: float = 0.0  # the engine step waiting for room in the sender queue
+    extract_s: float = 0.0  # the engine thread in the connector's extraction (launches, host syncs)
     wait_copy_s: float = 0.0  # the sender waiting for device-to-host copies to finish
     copy_s: float = 0.0  # the sender copying out of staging (the digest fused in)
     digest_s: float = 0.0  # the sender finishing the digest
     submit_s: float = 0.0  # Publisher.submit
-    d2h_s: float = 0.0  # GPU time of the gathers and device-to-host copies (after the forward)
+    d2h_s: float = 0.0  # GPU time of the gathers and device-to-host copies (beside the next forward)
     sender_busy_s: float = 0.0  # the sender thread's seconds per sample, summed (not queue waits)
     queue_peak: int = 0  # most samples waiting for the sender thread at once
     pieces: int = 0  # samples over teacher.staging_bytes, copied in pieces

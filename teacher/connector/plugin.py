@@ -337,7 +337,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if stream is not None:
                 if self._perm is not None and self._perm_dev is None:
                     self._perm_dev = self._perm.to(kv.device)
-                perm, slots = self._perm_dev, slots.to(kv.device, non_blocking=True)
+                # From pinned memory: a pageable host-to-device copy would first wait for the copy
+                # stream, and so block the engine thread until the work before this step is done.
+                perm, slots = self._perm_dev, slots.pin_memory().to(kv.device, non_blocking=True)
             if whole:  # configured layer order; fp8: quantized on the GPU
                 hosts, work = stage_whole(kv, slots, perm, quantize, staging)
                 self._note_staging(work)
@@ -382,8 +384,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
 
     def _extract_or_defer(self, pending, info: SampleInfo | None) -> None:
         """Pending saves are copied in order: behind earlier deferred ones, or deferred too."""
-        if not self._deferred and self._extract(pending, info):
-            return
+        if not self._deferred:
+            t0 = time.perf_counter()
+            done = self._extract(pending, info)
+            self._timing.extract_s += time.perf_counter() - t0
+            if done:
+                return
         self._deferred.append((pending, info))
         self._pending_copies[pending.req_id] = _DEFERRED
         self._timing.deferred += 1
@@ -391,7 +397,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     def _retry_deferred(self) -> None:
         while self._deferred:
             pending, info = self._deferred[0]
-            if not self._extract(pending, info):
+            t0 = time.perf_counter()
+            done = self._extract(pending, info)
+            self._timing.extract_s += time.perf_counter() - t0
+            if not done:
                 return
             self._deferred.popleft()
 
