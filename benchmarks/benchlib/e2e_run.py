@@ -191,7 +191,7 @@ def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res:
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.link(f, dst)
         for j in src_dir.glob("journal.txt*"):  # the generating run's id, no commits
-            if not j.name.endswith((".lock", ".summary.json")):
+            if j.is_file() and not j.name.endswith((".lock", ".summary.json")):  # (not .verify/)
                 shutil.copy(j, aw / j.name)
         acfg = json.loads(json.dumps(base))
         acfg["teacher"]["journal"] = str(aw / "journal.txt")
