@@ -25,12 +25,15 @@ Worker side (each worker process; only tensor-parallel rank 0 sends)
     register_kv_caches(kv_caches)  once at start: finds the hidden-state cache; rank 0 starts the
         Publisher (binds the transport endpoints) and the sender thread.
     wait_for_save()  every step: takes an exclusive flock on `<spool path>.lock` of new requests.
-    get_finished(finished_req_ids)  every step: gathers finished requests' rows from the cache,
-        copies them to host memory (CUDA: side stream into reused pinned buffers; CPU: a plain
-        gather) and queues them for the sender thread (a sample over `staging_bytes`: in pieces,
-        by that thread, teacher/connector/staging.py); reports a request "finished sending" once its rows
-        are off the cache, so vLLM can free its blocks. The engine step never waits for
-        students: `Publisher.submit` spools when memory is full or no student is connected.
+    bind_connector_metadata(meta)  every step, before its forward: gathers the rows of the
+        requests that finished in an earlier step from the cache, copies them to host memory (CUDA:
+        on a side stream that waits only for the work already queued, into reused pinned buffers,
+        beside this step's forward; CPU: a plain gather) and queues them for the sender thread (a
+        sample over `staging_bytes`: in pieces, by that thread, teacher/connector/staging.py).
+    get_finished(finished_req_ids)  every step, after the forward is launched: reports a request
+        "finished sending" once its rows are off the cache, so vLLM can free its blocks. The engine
+        step never waits for students: `Publisher.submit` spools when memory is full or no student
+        is connected.
     get_finished_count()  1: only rank 0 reports, the other ranks would otherwise block the free.
     shutdown()  at engine shutdown: drains the sender thread, closes the Publisher's input, waits
         up to `drain_timeout_s` for students to ack what they hold, then closes it (anything
@@ -414,8 +417,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         """Every step, before its forward is launched: the pending saves (requests that finished in
         an earlier step, whose rows every earlier kernel has written, the drafter's included) are
         taken off the cache here, so on CUDA their copy overlaps this step's forward instead of
-        waiting for it (the copy stream waits on an event recorded now, teacher/README.md,
-        "Where the time goes")."""
+        waiting for it (the copy stream waits on an event recorded now)."""
         super().bind_connector_metadata(connector_metadata)
         self._check_sender()  # a dead sender would never take a queued job
         self._retry_deferred()

@@ -223,3 +223,50 @@ def test_busy_pinned_pool_defers_the_copy_and_keeps_the_blocks_in_order():
     conn._finished_reqs.add("c")
     assert conn.get_finished(set()) == ({"c"}, None)
     assert copied == ["a", "b", "c"] and not conn._deferred and not conn._pending_copies
+
+
+def test_pending_saves_are_taken_off_when_the_step_binds_before_its_forward():
+    """The worker takes a finished request's rows off the cache in `bind_connector_metadata`, which
+    vLLM calls before the step's forward (so a CUDA copy overlaps that forward); `get_finished`
+    after the forward only reports. A dead sender thread stops the step at bind, before a job is
+    queued that nobody would take (`_extract` stubbed: CUDA copies cannot run on CI)."""
+    from collections import deque
+
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ref
+
+    from teacher.connector.plugin import DistillHiddenStatesConnector
+
+    conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)
+    conn._deferred = deque()
+    conn._pending_copies = {}
+    conn._finished_reqs = set()
+    conn._lock_fds = {}
+    conn._timing = ConnectorTiming()
+    conn._sender_error = None
+    conn._is_tp_rank_zero = True
+    calls = []
+
+    def extract(pending, info, wait=False):
+        calls.append((pending.req_id, info))
+        conn._pending_copies[pending.req_id] = None  # copy done (no event on the CPU)
+        return True
+
+    conn._extract = extract
+
+    class Pending:
+        def __init__(self, rid):
+            self.req_id = rid
+
+    meta = ref.ExampleHiddenStatesConnectorMetadata(pending_saves=[Pending("a"), Pending("b")])
+    meta.distill_samples = {"a": "info-a"}
+    conn.bind_connector_metadata(meta)
+    assert calls == [("a", "info-a"), ("b", None)]  # at bind, in order, each with its sample info
+    assert conn._timing.extract_s > 0
+    assert conn.get_finished({"a", "b"}) == ({"a", "b"}, None)
+    assert len(calls) == 2  # get_finished took nothing off again
+    conn.clear_connector_metadata()
+
+    conn._sender_error = OSError("disk full")
+    with pytest.raises(RuntimeError, match="sender thread failed"):
+        conn.bind_connector_metadata(ref.ExampleHiddenStatesConnectorMetadata(pending_saves=[Pending("c")]))
+    assert len(calls) == 2  # nothing queued behind a dead sender
