@@ -172,13 +172,11 @@ def test_ring_sample_whose_bytes_changed_after_hashing_is_rejected_and_never_han
         assert sub.stats().get("received", 0) == 0
 
 
-def test_busy_pinned_pool_defers_the_copy_and_keeps_the_blocks_in_order():
-    """CUDA path bookkeeping on the CPU: when every pinned buffer is busy, `_extract` does nothing
-    (stubbed here: CUDA copies cannot run on CI) and the request waits in order, its blocks kept
-    (not reported finished) until a later step copies it; the engine step never blocks."""
+def _worker_side():
+    """A connector with only its worker-side bookkeeping (no vLLM config, no cache, no sender)."""
     from collections import deque
 
-    from teacher.connector.plugin import _DEFERRED, DistillHiddenStatesConnector
+    from teacher.connector.plugin import DistillHiddenStatesConnector
 
     conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)
     conn._deferred = deque()
@@ -187,6 +185,16 @@ def test_busy_pinned_pool_defers_the_copy_and_keeps_the_blocks_in_order():
     conn._lock_fds = {}
     conn._timing = ConnectorTiming()
     conn._sender_error = None
+    return conn
+
+
+def test_busy_pinned_pool_defers_the_copy_and_keeps_the_blocks_in_order():
+    """CUDA path bookkeeping on the CPU: when every pinned buffer is busy, `_extract` does nothing
+    (stubbed here: CUDA copies cannot run on CI) and the request waits in order, its blocks kept
+    (not reported finished) until a later step copies it; the engine step never blocks."""
+    from teacher.connector.plugin import _DEFERRED
+
+    conn = _worker_side()
     free = {"buffers": 0}
     copied = []
 
@@ -230,19 +238,9 @@ def test_pending_saves_are_taken_off_when_the_step_binds_before_its_forward():
     vLLM calls before the step's forward (so a CUDA copy overlaps that forward); `get_finished`
     after the forward only reports. A dead sender thread stops the step at bind, before a job is
     queued that nobody would take (`_extract` stubbed: CUDA copies cannot run on CI)."""
-    from collections import deque
-
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ref
 
-    from teacher.connector.plugin import DistillHiddenStatesConnector
-
-    conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)
-    conn._deferred = deque()
-    conn._pending_copies = {}
-    conn._finished_reqs = set()
-    conn._lock_fds = {}
-    conn._timing = ConnectorTiming()
-    conn._sender_error = None
+    conn = _worker_side()
     conn._is_tp_rank_zero = True
     calls = []
 
