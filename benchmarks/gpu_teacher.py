@@ -604,6 +604,7 @@ _CONNECTOR_LOG = {
     "placed": re.compile(r"distill: samples placed: (\{.*?\}); pinned staging buffers: (\d+)"),
     "timing": re.compile(r"distill: connector timing: (\{.*?\})"),
     "publisher": re.compile(r"distill: publisher closed: (\{.*\})"),
+    "cuda_allocator": re.compile(r"distill: cuda allocator: (\{.*?\})"),
 }
 
 
@@ -833,6 +834,10 @@ def run_one(args):
     llm = LLM(**kw)
     res["engine_init_s"] = round(time.monotonic() - t0, 1)
     log(f"engine ready in {res['engine_init_s']} s")
+    try:  # whether the engine launches step N+1 while N runs (the connector's hooks then overlap it)
+        res["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    except AttributeError:
+        res["async_scheduling"] = None
     try:
         res["gpu"] = torch.cuda.get_device_name(0)
     except Exception:
@@ -1012,6 +1017,7 @@ def summarize(results: dict, args) -> dict:
                 "all_checks_ok",
                 "samples_checked",
                 "engine_init_s",
+                "async_scheduling",
                 "error",
                 "settings",
                 "connector",

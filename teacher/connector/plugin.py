@@ -607,3 +607,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             pinned = self._pinned._count if self._pinned is not None else 0
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
             logger.info("distill: connector timing: %s", self._timing.line())
+            if getattr(self, "_kv_cache", None) is not None and self._kv_cache.is_cuda:
+                # allocation retries and device-wide syncs of the worker process (vLLM's included):
+                # a gather that has to free cached memory first stalls the engine
+                stats = torch.cuda.memory_stats(self._kv_cache.device)
+                keys = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+                logger.info("distill: cuda allocator: %s", {k: stats.get(k) for k in keys})
