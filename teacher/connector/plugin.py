@@ -340,8 +340,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if stream is not None:
                 if self._perm is not None and self._perm_dev is None:
                     self._perm_dev = self._perm.to(kv.device)
-                # From pinned memory: a pageable host-to-device copy would first wait for the copy
-                # stream, and so block the engine thread until the work before this step is done.
+                # From pinned memory: CUDA may make a pageable host-to-device copy wait for the copy
+                # stream first, which would block the engine thread until the earlier work is done.
                 perm, slots = self._perm_dev, slots.pin_memory().to(kv.device, non_blocking=True)
             if whole:  # configured layer order; fp8: quantized on the GPU
                 hosts, work = stage_whole(kv, slots, perm, quantize, staging)
