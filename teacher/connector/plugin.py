@@ -385,14 +385,18 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         with self._peak_lock:
             self._timing.staging_peak_bytes = max(self._timing.staging_peak_bytes, nbytes)
 
+    def _timed_extract(self, pending, info: SampleInfo | None) -> bool:
+        """`_extract`, its engine-thread seconds counted in `extract_s`."""
+        t0 = time.perf_counter()
+        try:
+            return self._extract(pending, info)
+        finally:
+            self._timing.extract_s += time.perf_counter() - t0
+
     def _extract_or_defer(self, pending, info: SampleInfo | None) -> None:
         """Pending saves are copied in order: behind earlier deferred ones, or deferred too."""
-        if not self._deferred:
-            t0 = time.perf_counter()
-            done = self._extract(pending, info)
-            self._timing.extract_s += time.perf_counter() - t0
-            if done:
-                return
+        if not self._deferred and self._timed_extract(pending, info):
+            return
         self._deferred.append((pending, info))
         self._pending_copies[pending.req_id] = _DEFERRED
         self._timing.deferred += 1
@@ -400,10 +404,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     def _retry_deferred(self) -> None:
         while self._deferred:
             pending, info = self._deferred[0]
-            t0 = time.perf_counter()
-            done = self._extract(pending, info)
-            self._timing.extract_s += time.perf_counter() - t0
-            if not done:
+            if not self._timed_extract(pending, info):
                 return
             self._deferred.popleft()
 
