@@ -25,7 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -288,6 +288,39 @@ class Publisher:
         """Wait until END was sent: input closed, every sample acked and committed (auto_end), or
         `end()` called with nothing waiting or in flight."""
         return self._done.wait(timeout)
+
+    def wait_end_delivered(
+        self, min_s: float, grace_s: float, stop: Callable[[], bool] | None = None
+    ) -> list[str]:
+        """After END was sent (`wait_done` returned True): keep serving until END has reached the
+        students. A student confirms END by leaving (BYE). Serves at least `min_s` (students of an
+        earlier publisher on these endpoints come back within a few heartbeats and get END on
+        arrival), then while a session is open, and while a student whose session ended in
+        silence (a link down, a frozen process) within the last `grace_s` has not come back for
+        END. Returns the names of the students END may not have reached (empty: it reached all);
+        returns early, with them, when `stop()` says so."""
+        t0 = time.monotonic()
+        cap = min_s + self.cfg.heartbeat_timeout_s + grace_s  # a silent open session ends in between
+        said = False
+        while True:
+            now = time.monotonic()
+            open_ = [st.name for _, st in self._students.items()]
+            silent = self._sessions.silent_since(now - grace_s)
+            waiting = open_ + [n for n in silent if n not in open_]
+            if now - t0 >= min_s and not waiting:
+                return []
+            if now - t0 >= cap or (stop is not None and stop()):
+                return waiting
+            if silent and not said:
+                said = True
+                log.warning(
+                    "END sent; the sessions of %s ended in silence (heartbeat_timeout_s=%.0f): "
+                    "waiting up to %.0fs for them to come back for END",
+                    ", ".join(sorted(silent)),
+                    self.cfg.heartbeat_timeout_s,
+                    max(0.0, max(silent.values()) + grace_s - now),
+                )
+            time.sleep(0.05)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the input is closed and every sample is acked (nothing waits, nothing in flight)."""

@@ -29,6 +29,9 @@ from distill.students import Entry, Student, StudentTable
 
 log = logging.getLogger("distill.transport")
 
+# Why a session ended without the student saying so (it may come back: a link down, a freeze).
+_SILENT = ("heartbeat timeout", "unreachable")
+
 # send(ident, frames, copy) -> None: one non-blocking send; raises zmq.Again / zmq.ZMQError.
 Send = Callable[[bytes, list, bool], None]
 
@@ -63,6 +66,10 @@ class StudentSessions:
         self._lost_lock = threading.Lock()
         self._lost: list[str] = []  # keys of sessions that ended uncommitted, not yet taken
         self._lost_open: set[str] = set()  # lost keys neither submitted again nor committed since
+        # Students whose session ended in silence (heartbeat timeout, unreachable) and who have
+        # not come back (HELLO) or left (BYE) since: name -> when. After END the teacher waits a
+        # while for them (a link down, a frozen process): END reaches a student only in a session.
+        self._silent: dict[str, float] = {}
 
     def open(self, *, run_id: str | None, journal: Journal | None, shm: list | None) -> None:
         """The publisher started: its run id, its journal (commits and lost keys are appended to
@@ -86,6 +93,12 @@ class StudentSessions:
         """Whether lost keys wait to be submitted again (or committed by a student that returns)."""
         with self._lost_lock:
             return bool(self._lost_open)
+
+    def silent_since(self, after: float) -> dict[str, float]:
+        """Students whose session ended in silence after `after` (monotonic) and who have neither
+        come back nor left since: name -> when the session ended."""
+        with self._lost_lock:
+            return {n: t for n, t in self._silent.items() if t > after}
 
     # --- I/O thread ------------------------------------------------------------------------------
 
@@ -129,6 +142,11 @@ class StudentSessions:
         st = self.students.pop(ident)
         if st is None:
             return
+        with self._lost_lock:
+            if why in _SILENT:
+                self._silent[st.name] = time.monotonic()
+            else:
+                self._silent.pop(st.name, None)
         back = sorted(st.inflight.values(), key=lambda e: e.sample.seq, reverse=True)
         self._pending.extendleft(back)  # descending seqs: they end up first, in order
         if back:
@@ -181,6 +199,11 @@ class StudentSessions:
         elif st is None:
             if kind != P.BYE:
                 self.send(ident, [P.encode_control(P.RESET, tid=self.tid)])
+            elif h.get("name") is not None:
+                # It left after its session here had ended (e.g. END came through a link that was
+                # down while its session timed out): it is not missing.
+                with self._lost_lock:
+                    self._silent.pop(h["name"], None)
         elif kind == P.CREDIT:
             st.ready = True
             st.shm_ok = h["shm_ok"] and self._shm is not None
@@ -214,6 +237,8 @@ class StudentSessions:
             self.drop(ident, "re-hello", lose=False)
         st = Student(ident, h["name"], cs, cb)
         self.students.add(st)
+        with self._lost_lock:
+            self._silent.pop(st.name, None)
         self.send(ident, [P.encode_control(P.WELCOME, tid=self.tid, shm=self._shm, run=self.run_id)])
         log.info("student %s connected (%d now)", st.name, self.students.count)
 

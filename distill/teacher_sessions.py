@@ -143,7 +143,8 @@ class TeacherSessions:
         )
 
     def bye(self) -> None:
-        """The student leaves: what must go out goes, then BYE to every teacher still running."""
+        """The student leaves: what must go out goes, then BYE to every teacher still running (one
+        that sent END got its BYE then)."""
         for t in self.links:
             if not t.ended:
                 self.flush_outbox(t)
@@ -238,7 +239,8 @@ class TeacherSessions:
             )
         elif kind == P.RESET:
             t.last_seen = time.monotonic()
-            self.hello(t)  # the teacher (perhaps a new incarnation) does not know this session
+            if not t.ended:  # after END (and BYE) there is no session to start again
+                self.hello(t)  # the teacher (perhaps a new incarnation) does not know this session
         else:
             self._on_session_control(t, kind, h)
 
@@ -350,6 +352,10 @@ class TeacherSessions:
         elif kind == P.DRAIN:
             t.draining = True
         elif kind == P.END:
+            if not t.ended:
+                # BYE tells the teacher that END arrived: it serves until every student has left.
+                self.flush_outbox(t)
+                self.send(t, P.BYE, P.encode_control(P.BYE, name=self.name))
             t.ended = True
             if all(x.ended for x in self.links):
                 self._deliveries.end()

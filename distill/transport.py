@@ -23,7 +23,8 @@ Conversation (all control records are one msgpack frame, typed in protocol.CONTR
     HEARTBEAT                <->    HEARTBEAT    (every heartbeat_interval_s)
                               <-    DRAIN        (nothing waits: flush batches, checkpoint, commit)
                               <-    END          (the run is complete)
-    BYE                       ->                 (clean leave; unacked samples redelivered at once)
+    BYE                       ->                 (clean leave; unacked samples redelivered at once;
+                                                  also the answer to END: END arrived)
     any (unknown peer)        ->
                               <-    RESET        (student sends HELLO again)
     another protocol version  ->

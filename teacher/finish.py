@@ -7,8 +7,8 @@ run this command with the same `--kv-transfer-config` JSON the server got (or on
 `kv_connector_extra_config`, or a file holding either). It binds the same endpoints with the same
 journal (and so the same run id), replays what the server spooled until the students acked every
 sample and committed it (students that checkpoint get DRAIN and commit at their drain
-checkpoint), then sends END (also to students that reconnect within a few seconds) and exits.
-Students end by themselves.
+checkpoint), then sends END and exits once every student answered it (BYE; one whose session
+ended in silence is waited for, see teacher/run/serve.py `send_end`). Students end by themselves.
 
 Exit codes: 0 END sent, every sample committed; 1 END sent, but samples were lost (acked by a
 student whose session ended before a checkpoint covered them: the journal's `!lost` records;

@@ -1,6 +1,6 @@
 """Teacher and student peer processes for the transport tests (run as scripts, real sockets).
 
-    python tests/peers.py teacher --bind EP --n N --out FILE [--spool DIR] [--connect-timeout S]
+    python tests/peers.py teacher --bind EP --n N --out FILE [--spool DIR] [--connect-timeout S] [--end-on PATH]
     python tests/peers.py student --connect EP --out FILE [--shm auto|off] [--ack-delay S] [--no-ack-after K]
 
 The teacher writes one JSON line per submitted sample (key, crc32, nbytes, where) and a final line
@@ -15,6 +15,7 @@ import json
 import sys
 import time
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -66,17 +67,35 @@ def teacher(args) -> None:
         checksum="crc32",
     )
     out = open(args.out, "w", buffering=1)
-    with Publisher(cfg, SpoolConfig(dir=args.spool)) as pub:
+    with Publisher(cfg, SpoolConfig(dir=args.spool), auto_end=not args.end_on) as pub:
         for i, nb in enumerate(sample_sizes(args.n)):
             s = make_sample(i, nb)
             c = crc(s)
             where = pub.submit(s)
             out.write(json.dumps({"key": s.key, "crc": c, "nbytes": s.nbytes, "where": where}) + "\n")
         pub.close_input()
+        if args.end_on:
+            _end_on_signal(pub, Path(args.end_on), args.timeout)
         done = pub.wait_done(timeout=args.timeout)
-        time.sleep(0.5)  # let END reach the students
-        out.write(json.dumps({"stats": pub.stats(), "done": done}) + "\n")
+        if args.end_on:
+            Path(args.end_on + ".ended").touch()
+        missing = pub.wait_end_delivered(0.5, args.end_grace) if done else None
+        out.write(json.dumps({"stats": pub.stats(), "done": done, "end_missing": missing}) + "\n")
     sys.exit(0 if done else 3)
+
+
+def _end_on_signal(pub: Publisher, path: Path, timeout: float) -> None:
+    """(--end-on PATH) Once every sample is acked, say so (PATH.idle), wait for PATH to exist, then
+    for every session to have ended (its students silent past the heartbeat timeout); END after."""
+    deadline = time.monotonic() + timeout
+    if not pub.wait_idle(timeout=timeout):
+        sys.exit(3)
+    Path(str(path) + ".idle").touch()
+    while not path.exists() or pub.stats()["students"]:
+        if time.monotonic() > deadline:
+            sys.exit(3)
+        time.sleep(0.05)
+    pub.end()
 
 
 def student(args) -> None:
@@ -84,6 +103,8 @@ def student(args) -> None:
         connect=[args.connect],
         shm=args.shm,
         heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=args.student_hb_timeout,
+        teacher_wait_s=args.teacher_wait,
         credit_samples=args.credit,
         credit_bytes=512 * MiB,
     )
@@ -119,6 +140,12 @@ def main() -> None:
     ap.add_argument("--credit", type=int, default=16)
     ap.add_argument("--ack-delay", type=float, default=0.0)
     ap.add_argument("--no-ack-after", type=int, default=0)
+    ap.add_argument(
+        "--end-on", default="", help="teacher: END only once this file exists (see _end_on_signal)"
+    )
+    ap.add_argument("--end-grace", type=float, default=30.0)
+    ap.add_argument("--student-hb-timeout", type=float, default=10.0)
+    ap.add_argument("--teacher-wait", type=float, default=600.0)
     args = ap.parse_args()
     teacher(args) if args.role == "teacher" else student(args)
 

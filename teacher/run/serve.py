@@ -252,17 +252,29 @@ def _no_student_hint(cfg) -> str:
     return hint
 
 
+def end_grace_s(transport) -> float:
+    """How long after END the teacher waits for a student whose session ended in silence: six
+    heartbeat timeouts (at least 30 s), never longer than the student itself waits for a teacher."""
+    return min(transport.teacher_wait_s, max(30.0, 6 * transport.heartbeat_timeout_s))
+
+
 def send_end(pub, transport, stop: Stop) -> None:
-    """END goes out once nothing is waiting or in flight; then it must reach the students."""
+    """END goes out once nothing is waiting or in flight; then it must reach the students: each
+    confirms it by leaving (BYE). Students of the engine's Publisher (closed moments ago) reconnect
+    within a few heartbeats (RESET -> HELLO) and get END on arrival; a student whose session ended
+    in silence (its link down, its process frozen) is waited for `end_grace_s(transport)`."""
     pub.end()
     end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)
     if pub.wait_done(timeout=end_wait):
-        # Students of the engine's Publisher (closed moments ago) reconnect within a few
-        # heartbeats (RESET -> HELLO); each gets END on arrival. Then END must reach them.
         linger = max(3.0, 4 * transport.heartbeat_interval_s)
-        t_end = time.monotonic()
-        while time.monotonic() - t_end < linger and not stop.requested:
-            time.sleep(0.1)
+        missing = pub.wait_end_delivered(linger, end_grace_s(transport), lambda: stop.requested)
+        if missing and not stop.requested:
+            log.warning(
+                "END may not have reached %s (silent past heartbeat_timeout_s and not back within "
+                "%.0fs): they stop after their transport.teacher_wait_s",
+                ", ".join(sorted(missing)),
+                end_grace_s(transport),
+            )
         return
     st = pub.stats()
     log.warning(

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import faults
 import pytest
 from faults import free_port, wait_until
 
@@ -171,3 +172,57 @@ def test_killed_student_samples_reach_the_other(tmp_path):
     assert acked_by_victim | set(survivor_keys) == {x["key"] for x in sent}
     st = tfinal["stats"]
     assert st["acked"] == n and st["redelivered"] >= len(held_by_victim)
+
+
+def test_end_reaches_a_student_whose_link_was_down_when_it_was_sent(procs, netns_hosts, tmp_path):
+    """Teacher and student on two hosts (network namespaces, the student with a /dev/shm of its
+    own: tcp only). Once every sample is acked the student's cable is pulled; the teacher's session
+    for it times out (heartbeat_timeout_s=2) and END goes out with no student to take it. The cable
+    comes back 4 s later (past the teacher's 3 s linger of before): the teacher is still serving,
+    the student comes back (HELLO), gets END and confirms it (BYE). Both exit 0 by themselves, the
+    student has every sample once, and the teacher's record says END reached everyone."""
+    hosts = netns_hosts(["t", "s"])
+    ep = f"tcp://{hosts.addr['t']}:{free_port()}"
+    n, sig = 24, tmp_path / "end"
+    env = {**ENV, "PYTHONUNBUFFERED": "1"}
+    teacher = procs.start(
+        "teacher",
+        [sys.executable, PEERS, "teacher", "--bind", ep, "--n", str(n), "--out", str(tmp_path / "t.jsonl")]
+        + ["--spool", str(tmp_path / "spool"), "--end-on", str(sig), "--end-grace", "30", "--timeout", "120"],
+        env=env,
+        prefix=hosts.prefix("t"),
+    )
+    student = procs.start(
+        "student",
+        [sys.executable, PEERS, "student", "--connect", ep, "--out", str(tmp_path / "s.jsonl")]
+        + ["--student-hb-timeout", "2", "--teacher-wait", "40"],
+        env=env,
+        prefix=hosts.prefix("s", private_shm=True),
+    )
+    idle = Path(str(sig) + ".idle")
+    wait_until(idle.exists, 120, "every sample acked", check=_both_alive(teacher, student))
+    hosts.link("s", up=False)
+    sig.touch()
+    ended = Path(str(sig) + ".ended")
+    wait_until(ended.exists, 60, "END sent (after the session timed out)", check=_both_alive(teacher))
+    time.sleep(4.0)  # the outage outlasts the teacher's fixed linger of before (3 s)
+    assert teacher.alive(), f"the teacher left while END could not reach its student:\n{teacher.tail()}"
+    hosts.link("s", up=True)
+    s_rc, t_rc = student.wait(60), teacher.wait(60)
+    assert (s_rc, t_rc) == (0, 0), f"student {s_rc}, teacher {t_rc}\n{student.tail()}\n{teacher.tail()}"
+    sent, tfinal = read_lines(tmp_path / "t.jsonl")
+    got, sfinal = read_lines(tmp_path / "s.jsonl")
+    assert sfinal is not None, "the student did not end by END"
+    counts = Counter(r["key"] for r in got)
+    assert set(counts) == {r["key"] for r in sent} and len(sent) == n
+    assert max(counts.values()) == 1, "a sample arrived twice"
+    assert tfinal["done"] and tfinal["end_missing"] == [], tfinal
+    assert faults.ended_by_itself(procs)
+
+
+def _both_alive(*procs):
+    def check():
+        for p in procs:
+            assert p.alive(), f"{p.name} ended early:\n{p.tail()}"
+
+    return check
