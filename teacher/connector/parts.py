@@ -204,6 +204,13 @@ class ConnectorTiming:
     pageable_copies: int = 0  # synchronous copies on the engine step (no pinned buffer, or shutdown)
     engine_wait_s: float = 0.0  # the engine step waiting for room in the sender queue
     extract_s: float = 0.0  # the engine thread in the connector's extraction (launches, host syncs)
+    extracted: int = 0  # samples taken off the cache (extract_s / extracted: per sample)
+    # extract_s in parts: the slots and loss mask (CPU tensors), the pinned buffer and the copy
+    # stream's events, the slots' upload with the gather and copy launches; the rest is the lock,
+    # the token ids' copy, the sender queue and tries deferred for want of a pinned buffer.
+    extract_plan_s: float = 0.0
+    extract_stream_s: float = 0.0
+    extract_launch_s: float = 0.0
     wait_copy_s: float = 0.0  # the sender waiting for device-to-host copies to finish
     copy_s: float = 0.0  # the sender copying out of staging (the digest fused in)
     digest_s: float = 0.0  # the sender finishing the digest

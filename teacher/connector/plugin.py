@@ -310,6 +310,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if info is None:  # cannot happen unless scheduler/worker bookkeeping diverged
             info = self._info_for(pending.req_id, None)
             info.path = pending.filename
+        t_plan = time.perf_counter()
         kv = self._cache
         num_tokens = int(pending.token_ids.shape[0])
         quantize = self.cfg.hidden_dtype == "fp8"
@@ -323,6 +324,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         whole = _fits(num_rows, self._staged_token, self.cfg.staging_bytes)
         copy_done = copy_start = staging = pieces = stream = None
         perm = self._perm
+        t_stream = time.perf_counter()
         if kv.is_cuda:
             elems = kv.numel() // (kv.shape[0] * self._block_size)  # values per token (all layers)
             token_bytes = elems + 4 * max(1, len(self.layer_ids)) if quantize else elems * kv.element_size()
@@ -336,6 +338,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             stream.wait_event(ready)
             copy_start = torch.cuda.Event(enable_timing=True)
             copy_start.record(stream)
+        t_launch = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else nullcontext(), _sync_allowed():
             if stream is not None:
                 if self._perm is not None and self._perm_dev is None:
@@ -357,6 +360,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 pieces = Pieces(kv, slots, perm, quantize, piece, stream=stream, staging=staging)
                 hosts = pieces.placeholders()
                 self._timing.pieces += 1
+        t_rest = time.perf_counter()
+        tm = self._timing
+        tm.extract_plan_s += t_stream - t_plan
+        tm.extract_stream_s += t_launch - t_stream
+        tm.extract_launch_s += t_rest - t_launch
+        tm.extracted += 1
         if staging is not None:
             self._note_staging(staging.numel())
         elif kv.is_cuda:
