@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,36 +70,95 @@ class PinnedPool:
     copied into pageable memory (the Publisher keeps that copy until acked, so pinned memory stays
     bounded at `capacity` buffers of at most `limit` bytes: `teacher.staging_bytes`). When every
     buffer is busy, `take` returns None and the caller defers the copy.
+
+    `background`: new buffers are allocated on a thread of the pool's own, never in `take` (the
+    engine thread): pinning 64 MiB takes tens of milliseconds, and the engine thread would launch
+    nothing meanwhile. `take` then returns None while the buffer it needs is being made (the caller
+    defers), and after a take that leaves no buffer idle it makes one more ahead of need (while
+    under `capacity`). A buffer that cannot be pinned stops the growth: `capacity` becomes what
+    was made (0: the caller copies to pageable memory).
     """
 
-    def __init__(self, capacity: int, *, pin: bool = True, limit: int = 0):
+    def __init__(self, capacity: int, *, pin: bool = True, limit: int = 0, background: bool = False):
         self.capacity = capacity  # most buffers ever allocated
         self.limit = limit  # largest buffer allocated (0: none); a request for more gets its size
         self.pin = pin  # False only in CPU unit tests (pinning needs CUDA)
         self._free: list[torch.Tensor] = []  # idle uint8 pinned buffers
-        self._count = 0  # buffers allocated so far
-        self._lock = threading.Lock()  # take (engine thread) vs give (sender thread)
+        self._count = 0  # buffers allocated (or being allocated) so far
+        self._making = 0  # buffers being allocated on the pool's thread
+        self._lock = threading.Lock()  # take (engine thread) vs give (sender thread) vs the maker
+        self._maker = ThreadPoolExecutor(1, thread_name_prefix="distill-pin") if background else None
+        self.error: BaseException | None = None  # the allocation that stopped the growth
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 # By index: list.remove would compare tensors with ==, elementwise.
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            if self._count < self.capacity:
-                self._count += 1
-            elif self._free:
-                self._free.pop(0)  # too small for this sample: replace it by a larger one
-            else:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                if self._maker is not None and not self._free and not self._making:
+                    self._grow_locked(buf.numel())  # the next one, ahead of need
+                return buf
+            if self._maker is not None and self._making:
+                return None  # one is being made: the caller defers, then finds it
+            size = self._size(nbytes)
+            if not self._grow_locked(size):
                 return None
-        size = 1 << max(20, (nbytes - 1).bit_length())  # power of two >= 1 MiB: few re-allocations
-        if self.limit:
-            size = min(size, max(self.limit, nbytes))
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            if self._maker is not None:
+                return None
+        return self._new(size)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buf)
+
+    def _size(self, nbytes: int) -> int:
+        size = 1 << max(20, (nbytes - 1).bit_length())  # power of two >= 1 MiB: few re-allocations
+        if self.limit:
+            size = min(size, max(self.limit, nbytes))
+        return size
+
+    def _grow_locked(self, size: int) -> bool:
+        """(lock held) Room for one more buffer of `size` bytes: counted, and with `background`
+        queued on the pool's thread. False: at capacity with none idle to replace."""
+        if self._count < self.capacity:
+            self._count += 1
+        elif self._free:
+            self._free.pop(0)  # too small for this sample: replace it by a larger one
+        else:
+            return False
+        if self._maker is not None:
+            self._making += 1
+            self._maker.submit(self._make, size)
+        return True
+
+    def _new(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def _make(self, size: int) -> None:
+        try:
+            buf = self._new(size)
+        except BaseException as e:  # e.g. pinned memory exhausted: no more growth
+            with self._lock:
+                self._making -= 1
+                self._count -= 1
+                self.capacity = self._count
+                first, self.error = self.error is None, e
+            if first:
+                logger.warning(
+                    "distill: cannot pin another %d-byte staging buffer (%s): keeping %d",
+                    size,
+                    e,
+                    self.capacity,
+                )
+            return
+        with self._lock:
+            self._free.append(buf)
+            self._making -= 1
+
+    def close(self) -> None:
+        if self._maker is not None:
+            self._maker.shutdown(wait=True)
 
 
 def layer_perm(layer_ids: list[int]) -> torch.Tensor | None:

@@ -267,7 +267,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._staged_token = _token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), quantize)
         _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
         if self._kv_cache.is_cuda:
-            self._pinned = PinnedPool(self.cfg.pinned_buffers, limit=self.cfg.staging_bytes)
+            self._pinned = PinnedPool(self.cfg.pinned_buffers, limit=self.cfg.staging_bytes, background=True)
             if self.cfg.copy_threads > 1:
                 self._copy_pool = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="distill-copy")
         if self.cfg.mode == "stream":
@@ -613,6 +613,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._lock_fds.clear()
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)
+        if self._pinned is not None:
+            self._pinned.close()
         if self._sender is not None:
             pinned = self._pinned._count if self._pinned is not None else 0
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)

@@ -39,6 +39,67 @@ def test_pool_disabled():
     assert PinnedPool(0, pin=False).take(10) is None
 
 
+def test_background_pool_never_allocates_in_take_and_keeps_one_ahead(monkeypatch):
+    """With `background` (the connector's pool), `take` only hands out idle buffers: a buffer it
+    lacks is made on the pool's thread (take says None meanwhile: the caller defers), and a take
+    that leaves none idle has the next one made ahead of need. The calling thread never allocates."""
+    import threading
+
+    caller = threading.get_ident()
+    made_on: list[int] = []
+    real_new = PinnedPool._new
+
+    def spy(self, size):
+        made_on.append(threading.get_ident())
+        return real_new(self, size)
+
+    monkeypatch.setattr(PinnedPool, "_new", spy)
+    pool = PinnedPool(3, pin=False, background=True)
+    try:
+        assert pool.take(3 * MiB) is None  # nothing idle: one is being made
+        a = _take_within(pool, 3 * MiB)
+        assert a.numel() == 4 * MiB
+        b = _take_within(pool, 3 * MiB)  # made ahead when `a` left none idle
+        assert b is not a and b.numel() == 4 * MiB
+        c = _take_within(pool, MiB)
+        assert pool._count == 3 and pool.take(MiB) is None  # at capacity, all busy
+        pool.give(a)
+        assert pool.take(MiB) is a
+        assert made_on and caller not in made_on, "a buffer was allocated on the calling thread"
+        for x in (a, b, c):
+            pool.give(x)
+        # None fits: an idle buffer is replaced by a larger one, made on the pool's thread too
+        d = _take_within(pool, 8 * MiB)
+        assert d.numel() == 8 * MiB and pool._count == 3
+    finally:
+        pool.close()
+
+
+def _take_within(pool: PinnedPool, nbytes: int, timeout: float = 10.0):
+    """Take a buffer, polling (bounded) while the pool's thread makes it."""
+    got = []
+    assert wait_until(lambda: got.append(pool.take(nbytes)) or got[-1] is not None, timeout), "no buffer made"
+    return got[-1]
+
+
+def test_background_pool_stops_growing_when_pinning_fails(monkeypatch):
+    """A buffer that cannot be made (pinned memory exhausted) stops the growth: capacity becomes
+    what exists, said once; with none made, capacity 0 (the connector copies to pageable memory)."""
+
+    def fail(self, size):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(PinnedPool, "_new", fail)
+    pool = PinnedPool(4, pin=False, background=True)
+    try:
+        assert pool.take(MiB) is None
+        assert wait_until(lambda: pool.error is not None and not pool._making, 10)
+        assert pool.capacity == 0 and pool._count == 0
+        assert pool.take(MiB) is None and not pool._making  # no further tries
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize(
     ("copy_threads", "shm", "rows"),
     [(1, "auto", 8), (3, "auto", 1031), (3, "off", 1031)],
