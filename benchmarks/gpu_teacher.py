@@ -124,7 +124,12 @@ for _n, _c in (("x", "xxh3"), ("n", "none"), ("t", "xxh3-tree")):  # the same, a
     for _m in ("C", "C8", "D"):
         _kind, _layers, _shm, _extra = MODES[_m]
         MODES[_m + _n] = (_kind, _layers, _shm, {**_extra, "transport": {"checksum": _c}})
-_KNOBS = (("p", {"pinned_buffers": 64}), ("h", {"pinned_buffers": 32}), ("k", {"copy_threads": 8}))
+_KNOBS = (
+    ("p", {"pinned_buffers": 64}),
+    ("h", {"pinned_buffers": 32}),
+    ("k", {"copy_threads": 8}),
+    ("b", {"pinned_background": True}),  # new pinned buffers made off the engine thread
+)
 for _n, _extra in _KNOBS:  # the sender's knobs
     for _m in ("C", "C8", "D"):
         _kind, _layers, _shm, _base = MODES[_m]

@@ -55,6 +55,12 @@ class ConnectorTuning(Strict):
     # is large enough. Keep it at 3-4x the requests that finish per engine step: a request that
     # finds none free waits for a later step (BENCHMARKS.md, "Pinned buffers: 32 or 64").
     pinned_buffers: int = Field(64, ge=0)
+    # CUDA only: make new pinned staging buffers on a thread of the pool's own instead of the
+    # engine thread (pinning a 64 MiB buffer takes tens of milliseconds, during which the engine
+    # launches nothing); a request whose buffer is being made waits for a later step, and one
+    # buffer is made ahead of need. Off until measured on a GPU side by side with the inline pool
+    # (benchmarks/gpu_teacher.py modes Cb, C8b, Db).
+    pinned_background: bool = False
     # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.

@@ -71,7 +71,7 @@ class PinnedPool:
     bounded at `capacity` buffers of at most `limit` bytes: `teacher.staging_bytes`). When every
     buffer is busy, `take` returns None and the caller defers the copy.
 
-    `background`: new buffers are allocated on a thread of the pool's own, never in `take` (the
+    `background` (`teacher.pinned_background`): new buffers are allocated on a thread of the pool's own, never in `take` (the
     engine thread): pinning 64 MiB takes tens of milliseconds, and the engine thread would launch
     nothing meanwhile. `take` then returns None while the buffer it needs is being made (the caller
     defers), and after a take that leaves no buffer idle it makes one more ahead of need (while
@@ -79,7 +79,9 @@ class PinnedPool:
     was made (0: the caller copies to pageable memory).
     """
 
-    def __init__(self, capacity: int, *, pin: bool = True, limit: int = 0, background: bool = False):
+    def __init__(
+        self, capacity: int, *, pin: bool = True, limit: int = 0, background: bool = False, device=None
+    ):
         self.capacity = capacity  # most buffers ever allocated
         self.limit = limit  # largest buffer allocated (0: none); a request for more gets its size
         self.pin = pin  # False only in CPU unit tests (pinning needs CUDA)
@@ -87,7 +89,13 @@ class PinnedPool:
         self._count = 0  # buffers allocated (or being allocated) so far
         self._making = 0  # buffers being allocated on the pool's thread
         self._lock = threading.Lock()  # take (engine thread) vs give (sender thread) vs the maker
-        self._maker = ThreadPoolExecutor(1, thread_name_prefix="distill-pin") if background else None
+        self._maker = (
+            ThreadPoolExecutor(
+                1, thread_name_prefix="distill-pin", initializer=_on_device, initargs=(device,)
+            )
+            if background
+            else None
+        )
         self.error: BaseException | None = None  # the allocation that stopped the growth
 
     def take(self, nbytes: int) -> torch.Tensor | None:
@@ -159,6 +167,13 @@ class PinnedPool:
     def close(self) -> None:
         if self._maker is not None:
             self._maker.shutdown(wait=True)
+
+
+def _on_device(device) -> None:
+    """(The pool's thread) Work on the engine's GPU: a thread starts on device 0, and a CUDA call
+    there would make a context on a GPU this worker does not use."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def layer_perm(layer_ids: list[int]) -> torch.Tensor | None:

@@ -267,7 +267,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._staged_token = _token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), quantize)
         _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
         if self._kv_cache.is_cuda:
-            self._pinned = PinnedPool(self.cfg.pinned_buffers, limit=self.cfg.staging_bytes, background=True)
+            self._pinned = PinnedPool(
+                self.cfg.pinned_buffers,
+                limit=self.cfg.staging_bytes,
+                background=self.cfg.pinned_background,
+                device=self._kv_cache.device,
+            )
             if self.cfg.copy_threads > 1:
                 self._copy_pool = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="distill-copy")
         if self.cfg.mode == "stream":
