@@ -27,6 +27,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Cp, C8p, Dp   as C, C8, D with ``pinned_buffers: 64`` (the default, given explicitly)
     Ch, C8h, Dh   as C, C8, D with ``pinned_buffers: 32`` (half the default)
     Ck, C8k, Dk   as C, C8, D with ``copy_threads: 8`` (twice the default)
+    Cb, C8b, Db   as C, C8, D with ``pinned_background: true`` (new pinned buffers made off the
+         engine thread)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
          receivers get bf16 back from ``Subscriber.get``); Ct_fp8 the same with xxh3-tree
     C_loss_mask  as C with ``capture: loss_mask`` and a chat-like loss mask: each request's
@@ -598,6 +600,7 @@ def effective_settings(kind, extra) -> dict:
         "credit_samples": t.credit_samples,
         "copy_threads": cc.copy_threads,
         "pinned_buffers": cc.pinned_buffers,
+        "pinned_background": cc.pinned_background,
         "queue_samples": cc.queue_samples,
         "hidden_dtype": cc.hidden_dtype,
         "capture": cc.capture,
