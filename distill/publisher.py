@@ -302,15 +302,18 @@ class Publisher:
         t0 = time.monotonic()
         cap = min_s + self.cfg.heartbeat_timeout_s + grace_s  # a silent open session ends in between
         said = False
+        waited: set[str] = set()  # silent students waited for (those not back at the end: missing)
         while True:
             now = time.monotonic()
             open_ = [st.name for _, st in self._students.items()]
             silent = self._sessions.silent_since(now - grace_s)
+            waited.update(silent)
             waiting = open_ + [n for n in silent if n not in open_]
             if now - t0 >= min_s and not waiting:
-                return []
+                still = self._sessions.silent_since(float("-inf"))
+                return sorted(n for n in waited if n in still)
             if now - t0 >= cap or (stop is not None and stop()):
-                return waiting
+                return sorted(set(waiting) | (waited & set(self._sessions.silent_since(float("-inf")))))
             if silent and not said:
                 said = True
                 log.warning(

@@ -142,9 +142,13 @@ class StudentSessions:
         st = self.students.pop(ident)
         if st is None:
             return
+        now = time.monotonic()
         with self._lost_lock:
-            if why in _SILENT:
-                self._silent[st.name] = time.monotonic()
+            # Silent for half a heartbeat timeout or more: a link down or a frozen process (ZeroMQ's
+            # own heartbeats close such a connection, hence "unreachable" too). A killed process's
+            # connection closes at once: it is not waited for.
+            if why in _SILENT and now - st.last_seen >= self.cfg.heartbeat_timeout_s / 2:
+                self._silent[st.name] = now
             else:
                 self._silent.pop(st.name, None)
         back = sorted(st.inflight.values(), key=lambda e: e.sample.seq, reverse=True)

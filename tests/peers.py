@@ -79,8 +79,15 @@ def teacher(args) -> None:
         done = pub.wait_done(timeout=args.timeout)
         if args.end_on:
             Path(args.end_on + ".ended").touch()
+        t_end = time.monotonic()
         missing = pub.wait_end_delivered(0.5, args.end_grace) if done else None
-        out.write(json.dumps({"stats": pub.stats(), "done": done, "end_missing": missing}) + "\n")
+        rec = {
+            "stats": pub.stats(),
+            "done": done,
+            "end_missing": missing,
+            "end_wait_s": time.monotonic() - t_end,
+        }
+        out.write(json.dumps(rec) + "\n")
     sys.exit(0 if done else 3)
 
 

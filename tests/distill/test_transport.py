@@ -129,7 +129,7 @@ def test_spool_without_students_then_drain_to_students(tmp_path):
 @pytest.mark.slow
 def test_killed_student_samples_reach_the_other(tmp_path):
     """A student killed with SIGKILL while holding unacked samples: they are redelivered to the other
-    student; nothing is lost."""
+    student; nothing is lost; the teacher does not wait for the dead student after END."""
     ep = f"tcp://127.0.0.1:{free_port()}"
     n = 200
     t = spawn(
@@ -172,6 +172,9 @@ def test_killed_student_samples_reach_the_other(tmp_path):
     assert acked_by_victim | set(survivor_keys) == {x["key"] for x in sent}
     st = tfinal["stats"]
     assert st["acked"] == n and st["redelivered"] >= len(held_by_victim)
+    # Its connection closed when it died: the teacher does not wait for it after END (it would
+    # wait --end-grace, 30 s, for a student whose link went silent).
+    assert tfinal["end_missing"] == [] and tfinal["end_wait_s"] < 10, tfinal
 
 
 def test_end_reaches_a_student_whose_link_was_down_when_it_was_sent(procs, netns_hosts, tmp_path):
