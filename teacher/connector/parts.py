@@ -71,9 +71,9 @@ class PinnedPool:
     bounded at `capacity` buffers of at most `limit` bytes: `teacher.staging_bytes`). When every
     buffer is busy, `take` returns None and the caller defers the copy.
 
-    `background` (`teacher.pinned_background`): new buffers are allocated on a thread of the pool's own, never in `take` (the
-    engine thread): pinning 64 MiB takes tens of milliseconds, and the engine thread would launch
-    nothing meanwhile. `take` then returns None while the buffer it needs is being made (the caller
+    `background` (`teacher.pinned_background`): new buffers are allocated on a thread of the pool's
+    own, never in `take` (the engine thread): pinning 64 MiB takes tens of milliseconds, and the
+    engine thread would launch nothing meanwhile. `take` then returns None while the buffer it needs is being made (the caller
     defers), and after a take that leaves no buffer idle it makes one more ahead of need (while
     under `capacity`). A buffer that cannot be pinned stops the growth: `capacity` becomes what
     was made (0: the caller copies to pageable memory).
