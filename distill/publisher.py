@@ -308,12 +308,10 @@ class Publisher:
             open_ = [st.name for _, st in self._students.items()]
             silent = self._sessions.silent_since(now - grace_s)
             waited.update(silent)
-            waiting = open_ + [n for n in silent if n not in open_]
-            if now - t0 >= min_s and not waiting:
-                still = self._sessions.silent_since(float("-inf"))
-                return sorted(n for n in waited if n in still)
-            if now - t0 >= cap or (stop is not None and stop()):
-                return sorted(set(waiting) | (waited & set(self._sessions.silent_since(float("-inf")))))
+            waiting = set(open_) | set(silent)
+            done = now - t0 >= min_s and not waiting
+            if done or now - t0 >= cap or (stop is not None and stop()):
+                return sorted(waiting | (waited & set(self._sessions.silent_since(float("-inf")))))
             if silent and not said:
                 said = True
                 log.warning(

@@ -266,14 +266,14 @@ def send_end(pub, transport, stop: Stop) -> None:
     pub.end()
     end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)
     if pub.wait_done(timeout=end_wait):
-        linger = max(3.0, 4 * transport.heartbeat_interval_s)
-        missing = pub.wait_end_delivered(linger, end_grace_s(transport), lambda: stop.requested)
+        linger, grace = max(3.0, 4 * transport.heartbeat_interval_s), end_grace_s(transport)
+        missing = pub.wait_end_delivered(linger, grace, lambda: stop.requested)
         if missing and not stop.requested:
             log.warning(
                 "END may not have reached %s (silent past heartbeat_timeout_s and not back within "
                 "%.0fs): they stop after their transport.teacher_wait_s",
-                ", ".join(sorted(missing)),
-                end_grace_s(transport),
+                ", ".join(missing),
+                grace,
             )
         return
     st = pub.stats()
