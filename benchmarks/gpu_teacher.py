@@ -29,6 +29,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Ck, C8k, Dk   as C, C8, D with ``copy_threads: 8`` (twice the default)
     Cb, C8b, Db   as C, C8, D with ``pinned_background: true`` (new pinned buffers made off the
          engine thread)
+    Dc, D8c  as D, and D with C8's layers, with ``transport.chunk_bytes`` 1 MiB (tensors in 1 MiB
+         frames, joined by the receiver: the default with CURVE)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
          receivers get bf16 back from ``Subscriber.get``); Ct_fp8 the same with xxh3-tree
     C_loss_mask  as C with ``capture: loss_mask`` and a chat-like loss mask: each request's
@@ -136,6 +138,8 @@ for _n, _extra in _KNOBS:  # the sender's knobs
     for _m in ("C", "C8", "D"):
         _kind, _layers, _shm, _base = MODES[_m]
         MODES[_m + _n] = (_kind, _layers, _shm, {**_base, **_extra})
+MODES["Dc"] = ("ours", "layers", "off", {"transport": {"chunk_bytes": 1 << 20}})
+MODES["D8c"] = ("ours", "layers8", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
 MODES["Ct_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8", "transport": {"checksum": "xxh3-tree"}})
 # teacher.staging_bytes below one sample (32 MiB at 4 layers): every sample in pieces (teacher/connector/staging.py)
@@ -594,6 +598,7 @@ def effective_settings(kind, extra) -> dict:
     t = cc.transport
     return {
         "checksum": t.checksum,
+        "chunk_bytes": t.wire_chunk_bytes,
         "shm": t.shm,
         "shm_bytes": t.shm_bytes,
         "max_buffer_bytes": t.max_buffer_bytes,

@@ -1,11 +1,15 @@
-"""Transport benchmark: the same samples teacher -> 2 student processes over five paths, in one run.
+"""Transport benchmark: the same samples teacher -> student processes over several paths, in one run.
 
-    .venv/bin/python benchmarks/transport.py [--repeats 3] [--total-mb 512] [--paths tcp,curve]
+    .venv/bin/python benchmarks/transport.py [--repeats 3] [--total-mb 512] [--paths tcp,curve] [--students 2]
 
 Paths (every student touches one byte per 4 KiB page of each sample, then acknowledges it):
-  tcp     distill Publisher -> 2 Subscriber processes, ZeroMQ over tcp loopback (shm off)
-  curve   the same with transport.curve (CURVE authentication + encryption, keys from distill-keygen)
+  tcp     distill Publisher -> --students Subscriber processes, ZeroMQ over tcp loopback (shm off)
+  tcpc    tcp with transport.chunk_bytes 1 MiB (tensors in 1 MiB frames, joined by the student)
+  curve   the same with transport.curve (CURVE authentication + encryption, keys from distill-keygen;
+          tensors in 1 MiB frames, the default with CURVE)
+  curvew  curve with transport.chunk_bytes 0 (each tensor in one frame)
   curve2, tcp2  curve / tcp with transport.io_threads 2 (one teacher I/O thread per student)
+  curve4  curve with transport.io_threads 4 (for --students 4 on a host with the cores)
   shm     the same with the same-host shared-memory ring (header over ZeroMQ, bytes in /dev/shm)
   file    vLLM's documented file handoff: the writer takes an exclusive flock on <file>.lock, writes
           safetensors to /dev/shm, releases; the reader takes a shared flock, loads, deletes
@@ -128,24 +132,34 @@ def make_pool(size_mib: int, k: int = 4) -> list[torch.Tensor]:
     return [torch.randn(tokens, layers, hidden).bfloat16() for _ in range(k)]
 
 
-def curve_keys(d: Path) -> tuple[dict, list[dict]]:
-    """Teacher and two student CURVE configs with fresh keys under `d`."""
+def curve_keys(d: Path, n: int) -> tuple[dict, list[dict]]:
+    """Teacher and `n` student CURVE configs with fresh keys under `d`."""
     from distill.keygen import make_keys
 
     if d.exists():
         shutil.rmtree(d)
     make_keys(d, "teacher")
-    students = [make_keys(d / "students", f"s{i}")[1] for i in range(2)]
+    students = [make_keys(d / "students", f"s{i}")[1] for i in range(n)]
     teacher = {"secret_key": str(d / "teacher.key_secret"), "authorized_keys": str(d / "students")}
     return teacher, [{"secret_key": str(sec), "server_key": str(d / "teacher.key")} for sec in students]
 
 
-def run_zmq(pool, count: int, shm: str, ctx, curve: bool = False, io_threads: int = 1) -> float:
+def run_zmq(
+    pool,
+    count: int,
+    shm: str,
+    ctx,
+    curve: bool = False,
+    io_threads: int = 1,
+    chunk: int | None = None,
+    n: int = 2,
+) -> float:
     port = _free_port()
     ep = f"tcp://127.0.0.1:{port}"
     nbytes = pool[0].numel() * 2
-    t_curve, s_curve = curve_keys(Path(f"/tmp/bench-keys-{os.getpid()}")) if curve else (None, [None, None])
+    t_curve, s_curve = curve_keys(Path(f"/tmp/bench-keys-{os.getpid()}"), n) if curve else (None, [None] * n)
     cfg = TransportConfig(
+        chunk_bytes=chunk,
         bind=[ep],
         shm=shm,
         shm_bytes=max(256 * MiB, 20 * nbytes),
@@ -156,15 +170,15 @@ def run_zmq(pool, count: int, shm: str, ctx, curve: bool = False, io_threads: in
     spool = f"/tmp/bench-spool-{os.getpid()}"
     with Publisher(cfg, SpoolConfig(dir=spool)) as pub:
         done_q = ctx.Queue()
-        evs = [ctx.Event() for _ in range(2)]
+        evs = [ctx.Event() for _ in range(n)]
         procs = [
-            ctx.Process(target=zmq_student, args=(ep, shm, evs[i], done_q, s_curve[i])) for i in range(2)
+            ctx.Process(target=zmq_student, args=(ep, shm, evs[i], done_q, s_curve[i])) for i in range(n)
         ]
         for p in procs:
             p.start()
         for e in evs:
             e.wait(60)
-        while pub.stats()["students"] < 2:
+        while pub.stats()["students"] < n:
             time.sleep(0.01)
         # Warm-up lap (untimed): a long-running teacher reuses warm ring pages and socket buffers.
         warm = min(count, 24)
@@ -179,7 +193,7 @@ def run_zmq(pool, count: int, shm: str, ctx, curve: bool = False, io_threads: in
         if not pub.wait_done(600):
             raise RuntimeError("zmq path did not finish")
         dt = time.perf_counter() - t0
-        got = done_q.get(timeout=60) + done_q.get(timeout=60) - warm
+        got = sum(done_q.get(timeout=60) for _ in range(n)) - warm
         for p in procs:
             p.join()
         st = pub.stats()
@@ -290,6 +304,7 @@ def main() -> None:
     ap.add_argument("--total-mb", type=int, default=512, help="MiB per path, size and repeat")
     ap.add_argument("--sizes", default="8,32", help="sample sizes in MiB")
     ap.add_argument("--paths", default="tcp,curve,shm,file,socket,memcpy", help="paths to measure")
+    ap.add_argument("--students", type=int, default=2, help="student processes of the ZeroMQ paths")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     results: dict = {
@@ -297,12 +312,17 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
     }
     paths = [p for p in args.paths.split(",") if p]
+    ns = args.students
+    results["students"] = ns
     run = {
-        "tcp": lambda pool, count: run_zmq(pool, count, "off", ctx),
-        "curve": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True),
-        "curve2": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, io_threads=2),
-        "tcp2": lambda pool, count: run_zmq(pool, count, "off", ctx, io_threads=2),
-        "shm": lambda pool, count: run_zmq(pool, count, "auto", ctx),
+        "tcp": lambda pool, count: run_zmq(pool, count, "off", ctx, n=ns),
+        "tcpc": lambda pool, count: run_zmq(pool, count, "off", ctx, chunk=MiB, n=ns),
+        "curve": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, n=ns),
+        "curvew": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, chunk=0, n=ns),
+        "curve2": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, io_threads=2, n=ns),
+        "curve4": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, io_threads=4, n=ns),
+        "tcp2": lambda pool, count: run_zmq(pool, count, "off", ctx, io_threads=2, n=ns),
+        "shm": lambda pool, count: run_zmq(pool, count, "auto", ctx, n=ns),
         "file": lambda pool, count: run_file(pool, count, ctx),
         "socket": lambda pool, count: run_socket(pool, count, ctx),
         "memcpy": lambda pool, count: run_memcpy(pool, count),
@@ -329,7 +349,10 @@ def main() -> None:
             ("shm", "memcpy"),
             ("tcp", "socket"),
             ("curve", "tcp"),
+            ("curvew", "tcp"),
             ("curve2", "tcp"),
+            ("curve4", "tcp"),
+            ("tcpc", "tcp"),
         ):
             if a in gbs and b in gbs:
                 ratios[f"{a}_over_{b}"] = results[f"ratio_{a}_over_{b}_{size}mib"] = round(gbs[a] / gbs[b], 3)
@@ -338,7 +361,16 @@ def main() -> None:
         for p in paths:
             print(f"  {p:7s} {gbs[p]:7.2f} GB/s")
         print("  " + "   ".join(f"{k.replace('_over_', '/')} {v:.2f}" for k, v in ratios.items()))
-    for key in ("shm_over_file", "shm_over_memcpy", "tcp_over_socket", "curve_over_tcp", "curve2_over_tcp"):
+    for key in (
+        "shm_over_file",
+        "shm_over_memcpy",
+        "tcp_over_socket",
+        "curve_over_tcp",
+        "curvew_over_tcp",
+        "curve2_over_tcp",
+        "curve4_over_tcp",
+        "tcpc_over_tcp",
+    ):
         vals = [v for k, v in results.items() if k.startswith(f"ratio_{key}_")]
         if vals:
             results[f"ratio_{key}"] = min(vals)

@@ -98,6 +98,13 @@ class TransportConfig(Strict):
     # students and CURVE more threads spread the encryption over more cores; 1 keeps everything
     # on one (enough without CURVE, and shared-memory students move only headers).
     io_threads: int = Field(1, ge=1, le=64)
+    # Teacher side: a tensor larger than this goes to a student over tcp in frames of this many
+    # bytes, which the student joins (one copy). Each frame is then encrypted (CURVE) and copied
+    # by the kernel while it is in cache: CURVE on one connection ran 2.5x faster with 1 MiB frames
+    # than with 32 MiB tensors in one frame (BENCHMARKS.md, "Transport and CURVE"). Unset (the
+    # default): 1 MiB with `curve`, whole tensors without it. 0: whole tensors always; else at
+    # least 64 KiB. Shared-memory students get no frames (the bytes are in the ring).
+    chunk_bytes: int | None = Field(None, ge=0)
     # Run identity carried in HELLO/WELCOME. Teacher: this id, else the one stored beside its journal
     # (`<journal>.run`, made at the first start), else one per process. Student: refuse a teacher of
     # another run; unset, it learns the id from the first teacher that welcomes it and refuses others
@@ -109,6 +116,21 @@ class TransportConfig(Strict):
     # nothing larger from a student). Students: the largest ZeroMQ frame accepted (one tensor).
     max_header_bytes: int = Field(1 * MiB, ge=4096, le=64 * MiB)
     max_frame_bytes: int = Field(16 * GiB, gt=0)
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _chunk(cls, v: int | None) -> int | None:
+        if v and v < 64 * 1024:
+            raise ValueError(f"chunk_bytes must be 0 (whole tensors) or at least 65536, got {v}")
+        return v
+
+    @property
+    def wire_chunk_bytes(self) -> int:
+        """The frame size for tensors sent over tcp (0: whole tensors): `chunk_bytes`, or when
+        unset 1 MiB with CURVE and 0 without."""
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        return MiB if self.curve is not None else 0
 
     @field_validator("bind", "connect")
     @classmethod

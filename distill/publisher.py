@@ -108,6 +108,7 @@ class Publisher:
             reject_log=self._reject_log,
         )
         self._students = self._sessions.students  # the sessions' table (dispatch reads credit)
+        self._chunk = cfg.wire_chunk_bytes  # frame size for tensors sent in frames (0: whole)
         self._flow = FlowClock()  # who waited on whom (stats: flow_s, student_idle_s, no_credit_s)
 
     # --- public API (any thread) -------------------------------------------------------------
@@ -509,8 +510,10 @@ class Publisher:
                 e.sample, checksum=checksum, shm=(str(self._ring.path), offsets, off, stamp)
             )
             frames = [P.pack(header)]
+            chunked = False
         else:
-            frames = P.encode_sample(e.sample, checksum=checksum)
+            frames = P.encode_sample(e.sample, checksum=checksum, chunk=self._chunk)
+            chunked = len(frames) > 1 + len(e.sample.tensors)
         if not self._sessions.send(st.ident, frames, sample=True):
             return False
         st.sent(e)
@@ -518,6 +521,7 @@ class Publisher:
         with self._lock:
             self._bounds.counters["sent"] += 1
             self._bounds.counters["bytes_sent"] += e.nbytes
+            self._bounds.counters["chunked"] += chunked
         return True
 
     def _to_ring(self, e: Entry) -> None:
@@ -568,6 +572,7 @@ _ZERO_STATS = (
     "spooled",
     "replayed",
     "bytes_sent",
+    "chunked",
     "late_acks",
     "shm_samples",
     "shm_full",

@@ -172,11 +172,24 @@ class DistillModel(nn.Module):
         self._prenorm: torch.Tensor | None = None  # set by the hook on each forward
         decoder_norm(student).register_forward_pre_hook(self._grab_prenorm)
 
+    def _attention_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """None (causal attention alone) with SDPA or eager attention. With right padding a real
+        token's causal past holds real tokens only, so the padding mask changes nothing the losses
+        read (they skip padding positions), and without it SDPA may use its flash kernel for every
+        batch, and transformers does not read the mask on the device to choose (two host
+        synchronisations a forward on a GPU). Other attention implementations get the 2D mask."""
+        if getattr(self.student.config, "_attn_implementation", None) in ("sdpa", "eager"):
+            return None
+        return mask.long()
+
     def _grab_prenorm(self, module, args):
         self._prenorm = args[0]
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor):
-        out = self.student(input_ids=input_ids, attention_mask=mask.long(), output_hidden_states=True)
+        """`mask`: True on real tokens, right padding (as `student.data.Batch` holds it)."""
+        out = self.student(
+            input_ids=input_ids, attention_mask=self._attention_mask(mask), output_hidden_states=True
+        )
         hidden = list(out.hidden_states)
         hidden[self.num_layers] = self._prenorm  # id L_s = before the final norm
         self._prenorm = None

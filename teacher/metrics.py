@@ -38,6 +38,7 @@ COUNTERS = {
     "lost": ("distill_samples_lost_total", "Keys acked by a student session that ended uncommitted"),
     "shm_samples": ("distill_shm_samples_total", "Samples placed in the shared-memory ring"),
     "shm_full": ("distill_shm_full_total", "Same-host sends that found no room in the ring (frames)"),
+    "chunked": ("distill_samples_chunked_total", "Samples sent with tensors in transport.chunk_bytes frames"),
     "spool_full_wait_s": ("distill_spool_full_wait_seconds_total", "Producer waiting on a full spool"),
     "student_idle_s": (
         "distill_student_wait_seconds_total",

@@ -102,7 +102,8 @@ def test_mutated_frame_messages_decode_or_raise_protocol_error(seed):
     outcomes = {"ok": 0, "rejected": 0}
     for _ in range(1500):
         sample = _sample(rng)
-        frames = [bytes(f) for f in P.encode_sample(sample, checksum=rng.choice(P.CHECKSUMS))]
+        chunk = rng.choice([0, 0, 16, 64])  # tensors in frames of this many bytes (`ch`)
+        frames = [bytes(f) for f in P.encode_sample(sample, checksum=rng.choice(P.CHECKSUMS), chunk=chunk)]
         header, payload = frames[0], frames[1:]
         r = rng.random()
         if r < 0.3:  # raw byte damage in the header

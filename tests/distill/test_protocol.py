@@ -68,6 +68,53 @@ def test_empty_and_scalar_tensors():
     assert out.tensors["hidden_states"].shape == (0, 4, 8)
 
 
+CH = 64 * 1024  # the smallest chunk transport.chunk_bytes accepts
+
+
+@pytest.mark.parametrize("checksum", ["none", "xxh3", "xxh3-tree"])
+def test_tensors_larger_than_the_chunk_travel_in_chunks_and_come_back_exact(checksum):
+    g = torch.Generator().manual_seed(1)
+    sizes = {"a": 3 * CH + 17, "b": CH, "c": 0, "d": 2 * CH, "e": 5}  # bytes of each uint8 tensor
+    t = {k: torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for k, n in sizes.items()}
+    t["f"] = torch.randn(CH // 4 + 3, generator=g)  # float32, 4 bytes over one chunk
+    s = Sample(key="big", tensors=t)
+    frames = P.encode_sample(s, checksum=checksum, chunk=CH)
+    header = P.decode_header(bytes(frames[0]))
+    assert header["ch"] == CH
+    # a: 4 frames (3 full, 17 bytes), b: 1, c: 1 (empty), d: 2, e: 1, f: 2 (full, 12 bytes)
+    assert [spec[3] for spec in header["t"]] == [1, 5, 6, 7, 9, 10]
+    assert [len(bytes(f)) for f in frames[1:]] == [CH, CH, CH, 17, CH, 0, CH, CH, 5, CH, 12]
+    out = P.decode_sample(header, [bytes(f) for f in frames[1:]])
+    for k, x in t.items():
+        assert torch.equal(out.tensors[k].view(torch.uint8), x.view(torch.uint8)), k
+    # Nothing larger than the chunk, or a shared-memory reference: the header is the unchunked one.
+    small = Sample(key="small", tensors={"x": torch.zeros(CH, dtype=torch.uint8)})
+    assert "ch" not in P.sample_header(small, chunk=CH)[0]
+    assert len(P.encode_sample(small, chunk=CH)) == 2
+    assert "ch" not in P.sample_header(s, chunk=CH, shm=("r", [0] * 6, 0, 1))[0]
+
+
+def test_chunked_sample_with_a_missing_short_or_flipped_chunk_is_rejected_with_reason():
+    x = torch.randint(0, 256, (3 * CH + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    s = Sample(key="k", tensors={"hidden_states": x, "token_ids": torch.arange(4)})
+    frames = [bytes(f) for f in P.encode_sample(s, checksum="xxh3-tree", chunk=CH)]
+    h, f = frames[0], frames[1:]
+    assert len(f) == 5
+    assert _reason(h, f[:3] + f[4:]) == "frames"  # a chunk missing
+    assert _reason(h, f + [b""]) == "frames"  # one frame too many
+    assert _reason(h, [f[0] + f[1], b""] + f[2:]) == "length"  # right count and total, wrong cut
+    assert _reason(h, f[:3] + [f[3][:-1]] + f[4:]) == "length"  # the last chunk short
+    flipped = bytearray(f[2])
+    flipped[7] ^= 1
+    assert _reason(h, f[:2] + [bytes(flipped)] + f[3:]) == "checksum"  # caught after the join
+    header = P.decode_header(h)
+    assert _reason(P.pack({**header, "ch": -1}), f) == "field"
+    assert _reason(P.pack({**header, "ch": "1"}), f) == "field"
+    assert _reason(P.pack({**header, "ch": CH, "shm": ["r", [0, 0], 0, 1]}), []) == "field"
+    # A claimed chunk of one byte for a tensor of 3 MiB: rejected on the frame count, no allocation.
+    assert _reason(P.pack({**header, "ch": 1}), f) == "frames"
+
+
 def _good(checksum="crc32"):
     s = Sample(key="k", tensors={"hidden_states": torch.ones(4, 2, 3), "token_ids": torch.arange(4)})
     header, bufs = P.sample_header(s, checksum=checksum)
@@ -211,7 +258,7 @@ def test_no_pickle_on_the_wire():
 
 # What a peer must understand to read this side's messages. A change here is a change of the
 # wire format: bump PROTOCOL_VERSION (and say what it adds beside it) and pin the new value.
-WIRE_FORMAT = {4: "2bfe6d4e83d44b11"}
+WIRE_FORMAT = {5: "24016b1826cb1be7"}
 
 
 def _wire_format_fingerprint() -> str:
@@ -228,6 +275,10 @@ def _wire_format_fingerprint() -> str:
         for c in P.CHECKSUMS
         for shm in (False, True)
     }
+    big = Sample(key="k", tensors={"x": torch.zeros(3, 1 << 15)}, teacher="t", seq=1)  # 384 KiB
+    chunked = P.encode_sample(big, checksum="xxh3-tree", chunk=1 << 16)
+    headers["chunked"] = sorted(P.decode_header(chunked[0]).items())
+    headers["chunked_frames"] = [len(bytes(f)) for f in chunked[1:]]
     parts = {
         "kinds": sorted(P.KIND_NAMES.items()),
         "controls": {P.KIND_NAMES[k]: sorted(v.items()) for k, v in P.CONTROL_FIELDS.items()},

@@ -20,8 +20,8 @@ from distill.transport import Publisher, Subscriber, TransportError
 MARK = b"distill-secret-marker-0123456789"  # 32 bytes the sample carries in its tensor
 
 
-def _marked_sample(key: str) -> Sample:
-    payload = torch.frombuffer(bytearray(MARK * 64), dtype=torch.uint8).clone()
+def _marked_sample(key: str, repeat: int = 64) -> Sample:
+    payload = torch.frombuffer(bytearray(MARK * repeat), dtype=torch.uint8).clone()
     return Sample(key=key, tensors={"x": payload})
 
 
@@ -81,28 +81,36 @@ def _keys(tmp_path):
     return d
 
 
-def _transfer_through_relay(tmp_path, curve_t, curve_s, io_threads: int = 1) -> tuple[bytes, str]:
+def _transfer_through_relay(
+    tmp_path, curve_t, curve_s, io_threads: int = 1, repeat: int = 64, **t_kw
+) -> tuple[bytes, str, dict]:
+    """One marked sample (`repeat` x MARK) teacher -> relay -> student: (captured bytes, key the
+    student got, the teacher's stats)."""
     port = free_port()
     relay = Relay(port)
-    t_cfg = TransportConfig(bind=[f"tcp://127.0.0.1:{port}"], shm="off", curve=curve_t, io_threads=io_threads)
+    t_cfg = TransportConfig(
+        bind=[f"tcp://127.0.0.1:{port}"], shm="off", curve=curve_t, io_threads=io_threads, **t_kw
+    )
     s_cfg = TransportConfig(connect=[f"tcp://127.0.0.1:{relay.port}"], shm="off", curve=curve_s)
     try:
         with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub, Subscriber(s_cfg) as sub:
-            pub.submit(_marked_sample("k-secret"))
+            pub.submit(_marked_sample("k-secret", repeat))
             s = sub.get(timeout=15)
             assert s is not None, pub.stats()
-            assert bytes(s.tensors["x"].numpy()) == MARK * 64
+            assert bytes(s.tensors["x"].numpy()) == MARK * repeat
             sub.ack(s)
             assert wait_until(lambda: pub.stats()["acked"] == 1)
+            stats = pub.stats()
     finally:
         relay.close()
-    return bytes(relay.captured), s.key
+    return bytes(relay.captured), s.key, stats
 
 
 def test_plain_tcp_carries_readable_bytes(tmp_path):
     """The control: without CURVE the relay sees the sample's bytes (so the check below can fail)."""
-    captured, _ = _transfer_through_relay(tmp_path, None, None)
+    captured, _, stats = _transfer_through_relay(tmp_path, None, None)
     assert MARK in captured and b"k-secret" in captured
+    assert stats["chunked"] == 0
 
 
 @pytest.mark.parametrize("io_threads", [1, 3])
@@ -113,10 +121,32 @@ def test_curve_encrypts_the_wire(tmp_path, io_threads):
     curve_s = CurveConfig(
         secret_key=str(d / "students" / "good.key_secret"), server_key=str(d / "teacher.key")
     )
-    captured, key = _transfer_through_relay(tmp_path, curve_t, curve_s, io_threads)
+    captured, key, _ = _transfer_through_relay(tmp_path, curve_t, curve_s, io_threads)
     assert key == "k-secret"
     assert len(captured) > 64 * len(MARK)  # the sample did cross the relay
     assert MARK not in captured and b"k-secret" not in captured
+
+
+@pytest.mark.parametrize("curve", [True, False])
+def test_a_tensor_larger_than_the_chunk_arrives_exact_from_its_frames(tmp_path, curve):
+    """CURVE cuts tensors into 1 MiB frames by default (transport.chunk_bytes unset); plain tcp
+    only when chunk_bytes is set. Either way the student gets every byte, joined in order."""
+    repeat = (3 << 20) // len(MARK) + 5  # 3 MiB and 160 bytes: four frames of 1 MiB or less
+    if curve:
+        d = _keys(tmp_path)
+        curve_t = CurveConfig(secret_key=str(d / "teacher.key_secret"), authorized_keys=str(d / "students"))
+        curve_s = CurveConfig(
+            secret_key=str(d / "students" / "good.key_secret"), server_key=str(d / "teacher.key")
+        )
+        captured, _, stats = _transfer_through_relay(tmp_path, curve_t, curve_s, repeat=repeat)
+        assert MARK not in captured
+    else:
+        captured, _, stats = _transfer_through_relay(tmp_path, None, None, repeat=repeat)
+        assert stats["chunked"] == 0  # plain tcp, chunk_bytes unset: whole tensors
+        captured, _, stats = _transfer_through_relay(tmp_path, None, None, repeat=repeat, chunk_bytes=1 << 20)
+        assert MARK in captured
+    assert stats["chunked"] == 1 and stats["acked"] == 1
+    assert len(captured) > repeat * len(MARK)
 
 
 @pytest.mark.parametrize("who", ["stranger", "plain"])
@@ -191,3 +221,18 @@ def test_io_threads_gives_the_teachers_socket_a_context_of_that_many_threads():
     assert ctx is io_context(3) and ctx.get(zmq.IO_THREADS) == 3
     with pytest.raises(ConfigError, match="io_threads"):
         validate(TransportConfig, {"io_threads": 0})
+
+
+def test_chunk_bytes_defaults_to_1_mib_with_curve_and_whole_tensors_without():
+    from distill.config import validate
+    from distill.errors import ConfigError
+
+    curve = CurveConfig(secret_key="t.key_secret", authorized_keys="students")
+    assert TransportConfig().wire_chunk_bytes == 0
+    assert TransportConfig(curve=curve).wire_chunk_bytes == 1 << 20
+    assert TransportConfig(curve=curve, chunk_bytes=0).wire_chunk_bytes == 0
+    assert TransportConfig(chunk_bytes=1 << 16).wire_chunk_bytes == 1 << 16
+    for bad in (4096, -1):
+        with pytest.raises(ConfigError, match="chunk_bytes") as ei:
+            validate(TransportConfig, {"chunk_bytes": bad})
+        assert "\n" not in str(ei.value)

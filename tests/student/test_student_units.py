@@ -899,3 +899,57 @@ def test_a_rank_says_its_one_line_in_one_write(tmp_path):
             sys.stderr = old
     assert calls == [b"student error: " + b"x" * 3000 + b"\n"]
     assert out.read_bytes() == calls[0]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_training_step_never_reads_a_device_value_on_the_host(attn):
+    """On a GPU every read of a device value on the host (`.item()`, `bool(t)`) makes the host wait
+    for the GPU, so it cannot prepare the next batch meanwhile. transformers reads a 2D attention
+    mask that way to choose its kernel; with right padding the student passes none (causal attention
+    alone: a real token's past is all real). Counted here on the CPU: no `_local_scalar_dense` in
+    forward and backward, and the same loss and gradients as with the 2D mask, for a padded batch, an
+    unpadded one and the one-padding-token batch of the zero-weight synchronising backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from student.data import empty_batch
+    from student.model import DistillModel, load_student
+    from student.recipes.distill import Distill
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero", "nonzero"):
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = load_student_config_dict({**TINY_STUDENT, "losses": {"nmse": 1.0, "cosine": 0.5, "ce": 0.5}})
+    model = DistillModel(load_student(cfg), [(1, 2)], 8, "auto")
+    model.student.set_attn_implementation(attn)
+    batches = {
+        "padded": collate([sample("a", 5, seed=1), sample("b", 3, seed=2), sample("c", 1, seed=5)], [2]),
+        "unpadded": collate([sample("d", 4, seed=3), sample("e", 4, seed=4)], [2]),
+        "empty": empty_batch([2], 8),
+    }
+    for name, host in batches.items():
+        dev = host.to("cpu")
+        runs = []
+        for as_before in (False, True):  # as before: the 2D mask
+            model.zero_grad(set_to_none=True)
+            Reads.n = 0
+            if as_before:
+                model._attention_mask = lambda m: m.long()  # shadows the method on this instance
+            with Reads():
+                loss, _ = Distill().loss(model, None, dev, cfg, None)
+                (loss * (0.0 if name == "empty" else 1.0)).backward()
+            if as_before:
+                del model._attention_mask  # back to the class's method
+            if not as_before:
+                assert Reads.n == 0, f"{name}: {Reads.n} host reads of device values"
+            runs.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        (l1, g1), (l2, g2) = runs
+        assert torch.isfinite(l1) and all(torch.isfinite(g).all() for g in g1), name
+        torch.testing.assert_close(l1, l2)
+        assert len(g1) == len(g2) > 0
+        for a, b in zip(g1, g2, strict=True):
+            torch.testing.assert_close(a, b)

@@ -5,12 +5,14 @@ Two hosts as network namespaces on one bridge (tests/faults.Hosts): a teacher (a
 student (a `Subscriber` process, role `student`) on host s, each with a /dev/shm of its own (a private
 tmpfs: the student cannot map the teacher's ring, so the sample's bytes travel over tcp; the student
 reports shm_samples == 0). A raw AF_PACKET socket on s's eth0, inside s's namespace
-(tests/faults.Capture; no tcpdump needed), records every frame in and out. The teacher sends one
-sample whose tensor bytes are a random marker repeated and whose key holds a second random marker.
+(tests/faults.Capture; no tcpdump needed), records every frame in and out. The teacher sends two
+samples whose tensor bytes are a random marker repeated and whose keys hold a second random marker:
+a small one, and one of 2 MiB that CURVE sends in 1 MiB frames (`transport.chunk_bytes` unset; the
+teacher counts it in `chunked`, plain tcp sends it whole).
 
 - CURVE off (the control, so the check can fail): both markers are in the captured bytes.
 - CURVE on: neither marker is in any captured frame nor in the reassembled tcp streams, and the
-  student still receives the sample intact. Before it, two unauthorised students on host s (one
+  student still receives both samples intact. Before it, two unauthorised students on host s (one
   with a key pair that is not in the teacher's authorized_keys, one without CURVE) get nothing in
   8 s, and the teacher counts no student and sends nothing.
 
@@ -41,6 +43,8 @@ pytestmark = pytest.mark.slow
 PY = sys.executable
 SCRIPT = str(Path(__file__).resolve())
 REPEAT = 64  # the tensor is the marker repeated: 64 x 36 bytes, a few tcp segments
+REPEAT_BIG = (2 << 20) // 36 + 3  # the second sample's: 2 MiB and 36 bytes (3 frames with CURVE)
+BIG = "-big"  # the second sample's key: the first's and this
 
 
 def _curve(a):
@@ -67,12 +71,16 @@ def _teacher(a) -> int:
         heartbeat_timeout_s=3,
         curve=_curve(a),
     )
-    payload = torch.frombuffer(bytearray(a.mark.encode() * REPEAT), dtype=torch.uint8).clone()
-    keep = ("students", "sent", "acked", "committed", "rejected", "refused", "bytes_sent")
+
+    def payload(repeat: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(a.mark.encode() * repeat), dtype=torch.uint8).clone()
+
+    keep = ("students", "sent", "acked", "committed", "rejected", "refused", "bytes_sent", "chunked")
     last = None
     with Publisher(cfg, SpoolConfig(dir=a.spool), journal=a.journal) as pub:
         print(f"teacher: listening on {a.endpoint}, curve={'on' if cfg.curve else 'off'}", flush=True)
-        pub.submit(Sample(key=a.key, tensors={"x": payload}))
+        pub.submit(Sample(key=a.key, tensors={"x": payload(REPEAT)}))
+        pub.submit(Sample(key=a.key + BIG, tensors={"x": payload(REPEAT_BIG)}))
         pub.close_input()
         deadline = time.monotonic() + a.timeout
         while True:
@@ -101,7 +109,7 @@ def _student(a) -> int:
         teacher_wait_s=max(1.0, a.timeout),
         curve=_curve(a),
     )
-    want = a.mark.encode() * REPEAT
+    want = {False: a.mark.encode() * REPEAT, True: a.mark.encode() * REPEAT_BIG}
     got, err, finished, stats = [], None, False, {}
     try:
         with Subscriber(cfg) as sub:
@@ -112,7 +120,8 @@ def _student(a) -> int:
                 if s is None:
                     break
                 data = bytes(s.tensors["x"].numpy())
-                got.append({"key": s.key, "intact": data == want and sub.valid(s), "nbytes": len(data)})
+                ok = data == want[s.key.endswith(BIG)] and sub.valid(s)
+                got.append({"key": s.key, "intact": ok, "nbytes": len(data)})
                 sub.ack(s)
             finished = sub.finished
             stats = {k: v for k, v in sub.stats().items() if isinstance(v, int)}
@@ -228,9 +237,13 @@ def test_capture_on_the_namespace_link(procs, netns_hosts, tmp_path, curve):
     st = _last("STATS", teacher.text())
     codes = {"teacher": t_rc, "student": s_rc, **{w: p.poll() for w, p in strangers.items()}}
     assert s_rc == 0 and t_rc == 0, f"{codes}\n{student.tail()}\n{teacher.tail()}"
-    assert res["received"] == [{"key": key, "intact": True, "nbytes": len(mark) * REPEAT}], res
-    assert res["stats"].get("shm_samples", 0) == 0, f"the sample did not travel over tcp: {res['stats']}"
-    assert st["sent"] == 1 and st["acked"] == 1, st
+    assert sorted(res["received"], key=lambda r: r["key"]) == [
+        {"key": key, "intact": True, "nbytes": len(mark) * REPEAT},
+        {"key": key + BIG, "intact": True, "nbytes": len(mark) * REPEAT_BIG},
+    ], res
+    assert res["stats"].get("shm_samples", 0) == 0, f"the samples did not travel over tcp: {res['stats']}"
+    assert st["sent"] == 2 and st["acked"] == 2, st
+    assert st["chunked"] == (1 if curve == "on" else 0), st  # CURVE: the 2 MiB tensor in 1 MiB frames
     ended = faults.ended_by_itself(procs)
 
     teacher_flow = cap.tcp_payload_bytes(port)
@@ -242,8 +255,8 @@ def test_capture_on_the_namespace_link(procs, netns_hosts, tmp_path, curve):
         f"({time.monotonic() - t0:.1f} s)"
     )
     print(line)
-    # The sample crossed the captured link (its tensor alone is 2,304 bytes).
-    assert teacher_flow > len(mark) * REPEAT, line
+    # The samples crossed the captured link (their tensors alone are over 2 MiB).
+    assert teacher_flow > len(mark) * (REPEAT + REPEAT_BIG), line
     if curve == "off":
         assert found == {"marker": True, "key": True}, f"the control cannot see plain bytes: {line}"
     else:
