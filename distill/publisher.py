@@ -254,6 +254,23 @@ class Publisher:
             time.monotonic() - self._students.last_seen > self.cfg.connect_timeout_s
         )
 
+    def awaiting_students(self) -> bool:
+        """No student has come yet and transport.connect_timeout_s has not passed since the start:
+        samples wait in memory for the first one."""
+        return self._students.joined == 0 and not self._no_students()
+
+    def student_names(self) -> list[str]:
+        """The students this Publisher serves: open sessions, and sessions that ended in silence
+        whose student has neither come back nor left. A later Publisher on these endpoints
+        `expect_students` them."""
+        return self._sessions.names()
+
+    def expect_students(self, names) -> None:
+        """Students of an earlier Publisher on these endpoints (`student_names`): one that has
+        not come when END goes out is waited for as a session that ended in silence when this was
+        called (`wait_end_delivered`), and gets END when it comes."""
+        self._sessions.expect(names)
+
     def add_spool_files(self, paths) -> None:
         """Replay these spool files to students too (e.g. written by another process). Files
         already queued (spool.dir's, which `start()` takes, or an earlier call's) are skipped: each

@@ -100,6 +100,22 @@ class StudentSessions:
         with self._lost_lock:
             return {n: t for n, t in self._silent.items() if t > after}
 
+    def names(self) -> list[str]:
+        """The students of open sessions and of sessions that ended in silence (not back since)."""
+        with self._lost_lock:
+            silent = set(self._silent)
+        return sorted(silent | {st.name for st in self.students.values()})
+
+    def expect(self, names) -> None:
+        """Students of an earlier publisher on these endpoints: until they come (HELLO) or leave
+        (BYE), they count as students whose session ended in silence now."""
+        now = time.monotonic()
+        open_ = {st.name for st in self.students.values()}
+        with self._lost_lock:
+            for n in names:
+                if n not in open_:
+                    self._silent.setdefault(n, now)
+
     # --- I/O thread ------------------------------------------------------------------------------
 
     def on_message(self, ident: bytes, frames: list) -> None:

@@ -70,6 +70,7 @@ class StudentTable:
         self._rr = 0
         self.count = 0  # len(), readable from any thread
         self.last_seen = time.monotonic()  # last time a student joined or left (connect_timeout_s)
+        self.joined = 0  # sessions opened so far
 
     def __len__(self) -> int:
         return len(self._by_ident)
@@ -85,6 +86,7 @@ class StudentTable:
 
     def add(self, st: Student) -> None:
         self._by_ident[st.ident] = st
+        self.joined += 1
         self._changed()
 
     def pop(self, ident: bytes) -> Student | None:

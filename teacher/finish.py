@@ -8,7 +8,9 @@ run this command with the same `--kv-transfer-config` JSON the server got (or on
 journal (and so the same run id), replays what the server spooled until the students acked every
 sample and committed it (students that checkpoint get DRAIN and commit at their drain
 checkpoint), then sends END and exits once every student answered it (BYE; one whose session
-ended in silence is waited for, see teacher/run/serve.py `send_end`). Students end by themselves.
+ended in silence is waited for, and so is one the server's connector was serving when it stopped
+(its flow file beside the journal) that has not come back yet; see teacher/run/serve.py
+`send_end`). Students end by themselves.
 
 Exit codes: 0 END sent, every sample committed; 1 END sent, but samples were lost (acked by a
 student whose session ended before a checkpoint covered them: the journal's `!lost` records;
@@ -36,6 +38,7 @@ from teacher.config import ConnectorConfig
 from teacher.run.preflight import check_endpoints_free
 from teacher.run.serve import send_end
 from teacher.run.state import Stop
+from teacher.sizing import take_flow
 
 log = logging.getLogger("distill.teacher")
 
@@ -79,6 +82,9 @@ def finish(conn: ConnectorConfig, student_wait_s: float, progress_every_s: float
         say(f"error: {e}: stop the vllm serve teacher first, then run this again")
         return EXIT_CONFIG
     pub = Publisher(transport, conn.spool, journal=conn.journal, auto_end=False)
+    flow = take_flow(conn.journal) if conn.journal else None  # written by the server's connector
+    if flow is not None:
+        pub.expect_students(flow["student_names"])
     try:
         pub.start()
     except TransportError as e:

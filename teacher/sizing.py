@@ -45,30 +45,37 @@ class Flow:
             self.totals[k] += float(stats.get(k, 0) or 0)
 
 
-def write_flow(journal: str, stats: dict) -> Path:
-    """The generate phase's flow counters, from the connector's Publisher at its shutdown."""
+def write_flow(journal: str, stats: dict, students=()) -> Path:
+    """The generate phase's flow counters, from the connector's Publisher at its shutdown, and the
+    students it was serving (`Publisher.student_names`: the next Publisher expects them)."""
     path = Path(f"{journal}.flow-{os.getpid()}.json")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({k: float(stats.get(k, 0) or 0) for k in FLOW_KEYS}))
+    rec: dict = {k: float(stats.get(k, 0) or 0) for k in FLOW_KEYS}
+    rec["student_names"] = sorted(students)
+    tmp.write_text(json.dumps(rec))
     os.replace(tmp, path)
     return path
 
 
 def take_flow(journal: str) -> dict | None:
-    """The counters every connector of the last engine wrote (summed), the files removed; None
-    when there are none. Called before an engine starts too, to drop a crashed run's files."""
+    """The counters every connector of the last engine wrote (summed), with `student_names` (the
+    union of theirs), the files removed; None when there are none. Called before an engine starts
+    too, to drop a crashed run's files."""
     files = sorted(Path(journal).parent.glob(Path(journal).name + ".flow-*.json"))
     if not files:
         return None
-    total = dict.fromkeys(FLOW_KEYS, 0.0)
+    total: dict = dict.fromkeys(FLOW_KEYS, 0.0)
+    names: set[str] = set()
     for f in files:
         try:
             got = json.loads(f.read_text())
             for k in FLOW_KEYS:
                 total[k] += float(got.get(k, 0) or 0)
-        except (OSError, ValueError, AttributeError):
+            names.update(str(n) for n in got.get("student_names", ()))
+        except (OSError, ValueError, AttributeError, TypeError):
             pass  # a torn file: those counters are missing from the figures, nothing else
         f.unlink(missing_ok=True)
+    total["student_names"] = sorted(names)
     return total
 
 

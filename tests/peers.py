@@ -1,6 +1,7 @@
 """Teacher and student peer processes for the transport tests (run as scripts, real sockets).
 
     python tests/peers.py teacher --bind EP --n N --out FILE [--spool DIR] [--connect-timeout S] [--end-on PATH]
+                                  [--hand-over [--no-expect]]
     python tests/peers.py student --connect EP --out FILE [--shm auto|off] [--ack-delay S] [--no-ack-after K]
 
 The teacher writes one JSON line per submitted sample (key, crc32, nbytes, where) and a final line
@@ -74,21 +75,53 @@ def teacher(args) -> None:
             where = pub.submit(s)
             out.write(json.dumps({"key": s.key, "crc": c, "nbytes": s.nbytes, "where": where}) + "\n")
         pub.close_input()
-        if args.end_on:
+        if args.hand_over:
+            pub = _hand_over_on_signal(pub, cfg, args)
+        elif args.end_on:
             _end_on_signal(pub, Path(args.end_on), args.timeout)
-        done = pub.wait_done(timeout=args.timeout)
-        if args.end_on:
-            Path(args.end_on + ".ended").touch()
-        t_end = time.monotonic()
-        missing = pub.wait_end_delivered(0.5, args.end_grace) if done else None
-        rec = {
-            "stats": pub.stats(),
-            "done": done,
-            "end_missing": missing,
-            "end_wait_s": time.monotonic() - t_end,
-        }
-        out.write(json.dumps(rec) + "\n")
+        try:
+            _finish(pub, args, out)
+        finally:
+            pub.close()
+
+
+def _finish(pub: Publisher, args, out) -> None:
+    """END (once it is due), then serve until it reached the students; the final stats line."""
+    done = pub.wait_done(timeout=args.timeout)
+    if args.end_on:
+        Path(args.end_on + ".ended").touch()
+    t_end = time.monotonic()
+    missing = pub.wait_end_delivered(0.5, args.end_grace) if done else None
+    rec = {"stats": pub.stats(), "done": done, "end_missing": missing, "end_wait_s": time.monotonic() - t_end}
+    out.write(json.dumps(rec) + "\n")
     sys.exit(0 if done else 3)
+
+
+def _hand_over_on_signal(pub: Publisher, cfg: TransportConfig, args) -> Publisher:
+    """(--hand-over, with --end-on PATH) Once every sample is acked, say so (PATH.idle) and wait
+    for PATH; then close this Publisher at once, as distill-teacher's engine phase does, and start
+    the next one on the same endpoint (another teacher id, as the serve phase's), which expects the
+    first one's students (not with --no-expect) and sends END."""
+    path = Path(args.end_on)
+    deadline = time.monotonic() + args.timeout
+    if not pub.wait_idle(timeout=args.timeout):
+        sys.exit(3)
+    Path(str(path) + ".idle").touch()
+    while not path.exists():
+        if time.monotonic() > deadline:
+            sys.exit(3)
+        time.sleep(0.05)
+    names = pub.student_names()
+    pub.close()
+    nxt = Publisher(
+        cfg.model_copy(update={"teacher_id": "peer-next"}), SpoolConfig(dir=args.spool), auto_end=False
+    )
+    if not args.no_expect:
+        nxt.expect_students(names)
+    nxt.start()
+    nxt.close_input()
+    nxt.end()
+    return nxt
 
 
 def _end_on_signal(pub: Publisher, path: Path, timeout: float) -> None:
@@ -151,6 +184,8 @@ def main() -> None:
         "--end-on", default="", help="teacher: END only once this file exists (see _end_on_signal)"
     )
     ap.add_argument("--end-grace", type=float, default=30.0)
+    ap.add_argument("--hand-over", action="store_true", help="teacher: see _hand_over_on_signal")
+    ap.add_argument("--no-expect", action="store_true", help="teacher: the next Publisher expects nobody")
     ap.add_argument("--student-hb-timeout", type=float, default=10.0)
     ap.add_argument("--teacher-wait", type=float, default=600.0)
     args = ap.parse_args()

@@ -594,13 +594,17 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             pub = self._publisher
             pub.close_input()
             # Students holding samples get up to drain_timeout_s to ack them; everything else
-            # (waiting, in flight, unacked) is spooled by close() at once. This Publisher never
-            # sends END (auto_end=False): distill-teacher's serve phase replays the spool and
-            # decides when the run is complete. vLLM kills a slow shutdown: keep this short.
+            # (waiting, in flight, unacked) is spooled by close() at once. While no student has
+            # come yet and connect_timeout_s has not passed (a short generation), samples waiting
+            # in memory get the same time for a first student. This Publisher never sends END
+            # (auto_end=False): distill-teacher's serve phase replays the spool and decides when
+            # the run is complete. vLLM kills a slow shutdown: keep this short.
             deadline = time.monotonic() + self.cfg.drain_timeout_s
             while time.monotonic() < deadline:
                 st = pub.stats()
-                if not st.get("students") or not (st.get("inflight", 0) or st.get("pending", 0)):
+                if not (st.get("inflight", 0) or st.get("pending", 0)):
+                    break
+                if not st.get("students") and not pub.awaiting_students():
                     break
                 time.sleep(0.05)
             pub.close()
@@ -610,7 +614,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             logger.info("distill: publisher closed: %s", pub.stats())
             if self.cfg.journal:  # distill-teacher's sizing figures for the generate phase
                 try:
-                    write_flow(self.cfg.journal, pub.stats())
+                    write_flow(self.cfg.journal, pub.stats(), pub.student_names())
                 except OSError as e:
                     logger.warning("distill: could not write the flow counters: %s", e)
         for fd in self._lock_fds.values():

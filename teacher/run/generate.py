@@ -182,6 +182,7 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> GenerateResult:
             flow = take_flow(cfg.journal)
             if flow is not None:
                 res.note_flow(flow, r.phase_shares(flow))
+                res.students = flow["student_names"]
             r.pub.closed(read_stats_file(stats))
             stats.unlink(missing_ok=True)
     res.seconds = round(time.monotonic() - t_phase, 3)

@@ -44,6 +44,7 @@ class GenerateResult(PhaseResult):
     regenerated: int = 0  # samples whose key this run had generated before (this phase or earlier)
     seen: frozenset[str] = frozenset()  # keys earlier phases generated (given at the start)
     again: bool = False  # keys lost after the last window: the caller generates them again
+    students: list[str] = field(default_factory=list)  # the engine's Publisher was serving at its close
 
     def count_output(self, key: str, tokens: int, bytes_per_token: int) -> None:
         """One sample out of vLLM."""

@@ -41,6 +41,7 @@ def serve(r: Run, stop: Stop, rnd: int) -> ServeResult:
     # Only this run's spool files: a spool folder shared with another dataset keeps its files.
     todo = r.required - tail.committed
     pub = Publisher(transport, r.spool, journal=r.cfg.journal, auto_end=False, replay_keys=todo)
+    pub.expect_students(r.engine_students)
     try:
         pub.start()
     except Exception as e:
@@ -262,7 +263,8 @@ def send_end(pub, transport, stop: Stop) -> None:
     """END goes out once nothing is waiting or in flight; then it must reach the students: each
     confirms it by leaving (BYE). Students of the engine's Publisher (closed moments ago) reconnect
     within a few heartbeats (RESET -> HELLO) and get END on arrival; a student whose session ended
-    in silence (its link down, its process frozen) is waited for `end_grace_s(transport)`."""
+    in silence (its link down, its process frozen), or one the engine's Publisher was serving
+    (`Publisher.expect_students`) that has not come yet, is waited for `end_grace_s(transport)`."""
     pub.end()
     end_wait = max(10.0, 2 * transport.heartbeat_timeout_s)
     if pub.wait_done(timeout=end_wait):

@@ -100,6 +100,13 @@ class Run:
     truncated = _generate_total("truncated")
     regenerated = _generate_total("regenerated", "Samples generated more than once by this invocation.")
 
+    @property
+    def engine_students(self) -> list[str]:
+        """The students the last engine's Publisher was serving when it closed (the serve phase's
+        Publisher expects them: one whose link was down then still gets END)."""
+        gens = self._generated()
+        return gens[-1].students if gens else []
+
     def generated_keys(self) -> frozenset[str]:
         return frozenset().union(*(g.keys for g in self._generated()))
 

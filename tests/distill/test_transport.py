@@ -184,6 +184,25 @@ def test_end_reaches_a_student_whose_link_was_down_when_it_was_sent(procs, netns
     comes back 4 s later (past the teacher's 3 s linger of before): the teacher is still serving,
     the student comes back (HELLO), gets END and confirms it (BYE). Both exit 0 by themselves, the
     student has every sample once, and the teacher's record says END reached everyone."""
+    _end_after_the_cable_is_pulled(procs, netns_hosts, tmp_path, [])
+
+
+def test_end_reaches_a_student_whose_link_went_down_before_the_previous_publisher_closed(
+    procs, netns_hosts, tmp_path
+):
+    """As distill-teacher's engine phase hands over to its serve phase: once every sample is acked
+    the student's cable is pulled and, at once, the teacher closes its Publisher and starts the
+    next one on the same endpoint (another teacher id), which never saw the student. It expects the
+    students of the first (`expect_students`), sends END with nobody there, and waits for them;
+    the cable comes back 4 s later, the student comes (HELLO), gets END and confirms it (BYE).
+    Without the expectation (`--no-expect`) the teacher left after its linger and the student
+    waited out its teacher_wait_s, then exited 3."""
+    _end_after_the_cable_is_pulled(procs, netns_hosts, tmp_path, ["--hand-over"])
+
+
+def _end_after_the_cable_is_pulled(procs, netns_hosts, tmp_path, teacher_args: list[str]) -> None:
+    """The cable is pulled once every sample is acked, END goes out, the cable comes back 4 s later:
+    both ends exit 0 by themselves, every sample arrived once, END reached the student."""
     hosts = netns_hosts(["t", "s"])
     ep = f"tcp://{hosts.addr['t']}:{free_port()}"
     n, sig = 24, tmp_path / "end"
@@ -191,7 +210,8 @@ def test_end_reaches_a_student_whose_link_was_down_when_it_was_sent(procs, netns
     teacher = procs.start(
         "teacher",
         [sys.executable, PEERS, "teacher", "--bind", ep, "--n", str(n), "--out", str(tmp_path / "t.jsonl")]
-        + ["--spool", str(tmp_path / "spool"), "--end-on", str(sig), "--end-grace", "30", "--timeout", "120"],
+        + ["--spool", str(tmp_path / "spool"), "--end-on", str(sig), "--end-grace", "30", "--timeout", "120"]
+        + teacher_args,
         env=env,
         prefix=hosts.prefix("t"),
     )
@@ -207,8 +227,8 @@ def test_end_reaches_a_student_whose_link_was_down_when_it_was_sent(procs, netns
     hosts.link("s", up=False)
     sig.touch()
     ended = Path(str(sig) + ".ended")
-    wait_until(ended.exists, 60, "END sent (after the session timed out)", check=_both_alive(teacher))
-    time.sleep(4.0)  # the outage outlasts the teacher's fixed linger of before (3 s)
+    wait_until(ended.exists, 60, "END sent", check=_both_alive(teacher))
+    time.sleep(4.0)  # the outage outlasts the teacher's linger (3 s in distill-teacher)
     assert teacher.alive(), f"the teacher left while END could not reach its student:\n{teacher.tail()}"
     hosts.link("s", up=True)
     s_rc, t_rc = student.wait(60), teacher.wait(60)

@@ -310,7 +310,9 @@ def test_serve_phase_waits_for_the_engines_publisher_while_it_drains(assets, tmp
 def test_distill_finish_serves_a_served_teachers_spool_and_sends_end(tmp_path):
     """`distill-finish` (teacher/finish.py) with a `vllm serve` teacher's --kv-transfer-config: what
     the stopped server spooled reaches the student once, then END; refused while the endpoint is
-    still in use (the server runs). No vLLM: the spool is the server's leftovers."""
+    still in use (the server runs). No vLLM: the spool is the server's leftovers, and its flow file
+    (the server's connector writes it at shutdown) names a second student it was serving, which
+    never comes: after END it is waited for (at most transport.teacher_wait_s, 5 s here) and named."""
     import zmq
 
     keys = ["srv-a", "srv-b", "srv-c"]
@@ -321,6 +323,7 @@ def test_distill_finish_serves_a_served_teachers_spool_and_sends_end(tmp_path):
         "spool": {"dir": str(tmp_path / "spool")},
         "journal": str(tmp_path / "j.txt"),
     }
+    extra["transport"]["teacher_wait_s"] = 5.0  # bounds the wait for the student that never comes
     kv = json.dumps({"kv_connector": "DistillHiddenStatesConnector", "kv_connector_extra_config": extra})
     cmd = [sys.executable, "-m", "teacher.finish", "--kv-transfer-config", kv, "--progress-every-s", "1"]
 
@@ -335,13 +338,20 @@ def test_distill_finish_serves_a_served_teachers_spool_and_sends_end(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "stop the vllm serve teacher first" in r.stderr
 
+    flow = tmp_path / "j.txt.flow-4242.json"
+    flow.write_text(json.dumps({"flow_s": 1.0, "student_names": ["gone-student"]}))
     with _student(ep) as student:
+        t0 = time.monotonic()
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
         student.join(timeout=30)  # END ends it
     assert r.returncode == 0, r.stderr[-3000:]
     assert "distill-finish: END sent" in r.stderr
     assert student.error is None and student.finished, "the student got END"
     assert sorted(student.keys) == keys  # each once
+    missing = [x for x in r.stderr.splitlines() if "END may not have reached" in x]
+    assert len(missing) == 1 and "gone-student" in missing[0], r.stderr[-3000:]
+    assert took >= 4.0 and not flow.exists()
     assert set((tmp_path / "j.txt").read_text().split()) == set(keys)
     assert list_spool(tmp_path / "spool") == []
 

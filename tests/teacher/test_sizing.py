@@ -191,10 +191,14 @@ def test_generate_phase_counters_travel_through_flow_files(tmp_path):
 
     journal = str(tmp_path / "journal.txt")
     assert take_flow(journal) is None
-    write_flow(journal, {"flow_s": 2.5, "acked": 30, "student_s": 5.0, "other": 1})
-    (tmp_path / "journal.txt.flow-999999.json").write_text('{"flow_s": 1.5, "acked": 10}')
+    write_flow(journal, {"flow_s": 2.5, "acked": 30, "student_s": 5.0, "other": 1}, ["s1-r0", "s1-r1"])
+    (tmp_path / "journal.txt.flow-999999.json").write_text(
+        '{"flow_s": 1.5, "acked": 10, "student_names": ["s1-r1", "s2-r0"]}'
+    )
     (tmp_path / "journal.txt.flow-888888.json").write_text('{"flow_s": ')  # torn
     got = take_flow(journal)
-    assert set(got) == set(FLOW_KEYS)
+    assert set(got) == {*FLOW_KEYS, "student_names"}
     assert (got["flow_s"], got["acked"], got["student_s"]) == (4.0, 40.0, 5.0)
+    # the students the engine's connectors were serving: the serve phase's Publisher expects them
+    assert got["student_names"] == ["s1-r0", "s1-r1", "s2-r0"]
     assert not list(tmp_path.glob("journal.txt.flow-*")) and take_flow(journal) is None
