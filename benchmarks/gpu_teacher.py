@@ -29,6 +29,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Ck, C8k, Dk   as C, C8, D with ``copy_threads: 8`` (twice the default)
     Cb, C8b, Db   as C, C8, D with ``pinned_background: true`` (new pinned buffers made off the
          engine thread)
+    Cg, C8g, Dg   as C, C8, D with ``pinned_bytes`` 4 GiB (one block pinned while the engine
+         starts, each sample's copy a range of its size out of it)
     Dc, D8c  as D, and D with C8's layers, with ``transport.chunk_bytes`` 1 MiB (tensors in 1 MiB
          frames, joined by the receiver: the default with CURVE)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
@@ -133,6 +135,7 @@ _KNOBS = (
     ("h", {"pinned_buffers": 32}),
     ("k", {"copy_threads": 8}),
     ("b", {"pinned_background": True}),  # new pinned buffers made off the engine thread
+    ("g", {"pinned_bytes": 4 << 30}),  # one 4 GiB block pinned at engine start, handed out in ranges
 )
 for _n, _extra in _KNOBS:  # the sender's knobs
     for _m in ("C", "C8", "D"):
@@ -606,6 +609,7 @@ def effective_settings(kind, extra) -> dict:
         "copy_threads": cc.copy_threads,
         "pinned_buffers": cc.pinned_buffers,
         "pinned_background": cc.pinned_background,
+        "pinned_bytes": cc.pinned_bytes,
         "queue_samples": cc.queue_samples,
         "hidden_dtype": cc.hidden_dtype,
         "capture": cc.capture,
@@ -615,6 +619,7 @@ def effective_settings(kind, extra) -> dict:
 
 _CONNECTOR_LOG = {
     "placed": re.compile(r"distill: samples placed: (\{.*?\}); pinned staging buffers: (\d+)"),
+    "pinned_block": re.compile(r"distill: pinned block: (\d+) bytes, at most (\d+) bytes out at once"),
     "timing": re.compile(r"distill: connector timing: (\{.*?\})"),
     "publisher": re.compile(r"distill: publisher closed: (\{.*\})"),
     "cuda_allocator": re.compile(r"distill: cuda allocator: (\{.*?\})"),
@@ -639,7 +644,9 @@ def connector_report(log_path) -> dict:
         except (ValueError, SyntaxError):
             out[name] = m.group(1)[:400]
         if name == "placed":
-            out["pinned_buffers_allocated"] = int(m.group(2))
+            out["pinned_buffers_allocated"] = int(m.group(2))  # the block: most ranges out at once
+        if name == "pinned_block":
+            out[name] = {"bytes": int(m.group(1)), "peak_bytes": int(m.group(2))}
     pub = out.get("publisher")
     if isinstance(pub, dict):  # the figures that say whether the ring or memory ran out
         keep = ("sent", "bytes_sent", "acked", "spooled", "shm_samples", "shm_full", "spool_full_waits")

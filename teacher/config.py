@@ -61,6 +61,13 @@ class ConnectorTuning(Strict):
     # buffer is made ahead of need. Off until measured on a GPU side by side with the inline pool
     # (benchmarks/gpu_teacher.py modes Cb, C8b, Db).
     pinned_background: bool = False
+    # CUDA only: > 0 pins one block of this many bytes when the engine starts, never while it
+    # serves; each copy takes a range of its sample's size out of it (first fit, at most
+    # pinned_buffers at once), given back once copied out. 0: the pool above, which pins a buffer
+    # (the sample rounded up to a power of two) on the engine thread whenever none idle is large
+    # enough. At least staging_bytes when set. Off until measured on a GPU side by side
+    # (benchmarks/gpu_teacher.py modes Cg, C8g, Dg: 4 GiB).
+    pinned_bytes: int = Field(0, ge=0)
     # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.
@@ -87,6 +94,15 @@ class ConnectorTuning(Strict):
     # At engine (connector) shutdown, generation done: wait at most this long for students to ack
     # the samples they hold before the Publisher spools the rest (the serve phase replays the spool).
     drain_timeout_s: float = Field(5.0, ge=0)
+
+    @model_validator(mode="after")
+    def _pinned_block(self) -> ConnectorTuning:
+        if self.pinned_bytes and self.pinned_bytes < self.staging_bytes:
+            raise ValueError(
+                f"pinned_bytes ({self.pinned_bytes}) must be 0 or at least staging_bytes "
+                f"({self.staging_bytes}): the block holds a staged sample"
+            )
+        return self
 
 
 class ConnectorConfig(ConnectorTuning):

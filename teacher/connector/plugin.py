@@ -72,6 +72,7 @@ from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 from teacher.connector.parts import (
     ConnectorTiming,
+    PinnedBlock,
     PinnedPool,
     SampleInfo,
     SendJob,
@@ -160,7 +161,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         # Pending saves that found every pinned buffer busy: copied (in order) at a later step,
         # their blocks kept meanwhile; the engine step never waits for a buffer.
         self._deferred: deque = deque()
-        self._pinned: PinnedPool | None = None  # CUDA staging buffers
+        self._pinned: PinnedPool | PinnedBlock | None = None  # CUDA staging buffers
         self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
         self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
         self._timing = ConnectorTiming()  # where the time goes (logged at shutdown)
@@ -267,12 +268,15 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._staged_token = _token_bytes(kv.shape[1], kv.shape[3], kv.element_size(), quantize)
         _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
         if self._kv_cache.is_cuda:
-            self._pinned = PinnedPool(
-                self.cfg.pinned_buffers,
-                limit=self.cfg.staging_bytes,
-                background=self.cfg.pinned_background,
-                device=self._kv_cache.device,
-            )
+            if self.cfg.pinned_bytes:  # pinned now, while the engine starts
+                self._pinned = PinnedBlock(self.cfg.pinned_bytes, self.cfg.pinned_buffers)
+            else:
+                self._pinned = PinnedPool(
+                    self.cfg.pinned_buffers,
+                    limit=self.cfg.staging_bytes,
+                    background=self.cfg.pinned_background,
+                    device=self._kv_cache.device,
+                )
             if self.cfg.copy_threads > 1:
                 self._copy_pool = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="distill-copy")
         if self.cfg.mode == "stream":
@@ -625,8 +629,15 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._pinned is not None:
             self._pinned.close()
         if self._sender is not None:
-            pinned = self._pinned._count if self._pinned is not None else 0
+            # (the pool: buffers pinned; the block: most ranges out at once, and their bytes)
+            pinned = self._pinned.peak if self._pinned is not None else 0
             logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
+            if isinstance(self._pinned, PinnedBlock):
+                logger.info(
+                    "distill: pinned block: %d bytes, at most %d bytes out at once",
+                    self._pinned.nbytes,
+                    self._pinned.peak_bytes,
+                )
             logger.info("distill: connector timing: %s", self._timing.line())
             if getattr(self, "_kv_cache", None) is not None and self._kv_cache.is_cuda:
                 # allocation retries and device-wide syncs of the worker process (vLLM's included):

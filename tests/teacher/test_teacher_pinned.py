@@ -11,7 +11,7 @@ from waiting import wait_until
 
 pytest.importorskip("vllm")
 
-from teacher.connector.parts import ConnectorTiming, PinnedPool  # noqa: E402
+from teacher.connector.parts import ConnectorTiming, PinnedBlock, PinnedPool  # noqa: E402
 
 MiB = 1 << 20
 
@@ -329,3 +329,85 @@ def test_pending_saves_are_taken_off_when_the_step_binds_before_its_forward():
     with pytest.raises(RuntimeError, match="sender thread failed"):
         conn.bind_connector_metadata(ref.ExampleHiddenStatesConnectorMetadata(pending_saves=[Pending("c")]))
     assert len(calls) == 2  # nothing queued behind a dead sender
+
+
+# ---------------------------------------------------------------------------------------------
+# teacher.pinned_bytes: one block pinned at engine start, handed out in ranges.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_block_hands_out_ranges_first_fit_and_merges_them_back_in_any_order():
+    """Ranges of each request's size rounded up to 4 KiB (not a power of two), first fit; given
+    back in any order, free neighbours merge, so the whole block is one free range again."""
+    blk = PinnedBlock(16 * MiB, 8, pin=False)
+    total = blk.nbytes
+    assert total == 16 * MiB + PinnedBlock.ALIGN and blk.free_ranges() == [(0, total)]
+    a, b, c = blk.take(5 * MiB + 128), blk.take(3 * MiB), blk.take(1)
+    assert (a.numel(), b.numel(), c.numel()) == (5 * MiB + 4096, 3 * MiB, 4096)
+    base = a.data_ptr()
+    assert (b.data_ptr() - base, c.data_ptr() - base) == (5 * MiB + 4096, 8 * MiB + 4096)
+    a.fill_(1), b.fill_(2), c.fill_(3)
+    assert int(a.max()) == 1 and int(b.min()) == 2  # disjoint
+    blk.give(a)  # a hole at the front: the next small request fills it (first fit)
+    d = blk.take(MiB)
+    assert d.data_ptr() == base
+    assert blk.take(9 * MiB) is None  # 4 MiB + 4 KiB hole and 8 MiB at the end: neither fits
+    for r in (c, d, b):  # back out of order: everything merges
+        blk.give(r)
+    assert blk.free_ranges() == [(0, total)]
+    assert blk.peak_ranges == 3 and blk.peak_bytes == 8 * MiB + 2 * 4096  # a, b, c
+    assert blk.take(16 * MiB + 128) is not None  # a staging_bytes sample plus its slack fits
+
+
+def test_block_caps_the_ranges_out_at_pinned_buffers():
+    blk = PinnedBlock(8 * MiB, 2, pin=False)
+    r1, r2 = blk.take(4096), blk.take(4096)
+    assert r1 is not None and r2 is not None and blk.take(4096) is None  # the caller defers
+    blk.give(r1)
+    assert blk.take(4096) is not None
+
+
+def test_block_that_cannot_be_pinned_warns_once_and_copies_go_to_pageable_memory(monkeypatch, caplog):
+    import torch
+
+    real = torch.empty
+
+    def no_pinned(*a, **kw):
+        if kw.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", no_pinned)
+    with caplog.at_level("WARNING"):
+        blk = PinnedBlock(8 * MiB, 4)
+    lines = [r.getMessage() for r in caplog.records if "staging block" in r.getMessage()]
+    assert len(lines) == 1 and "teacher.pinned_bytes" in lines[0] and "pageable memory" in lines[0]
+    assert blk.capacity == 0 and blk.take(4096) is None  # capacity 0: the connector copies pageable
+
+
+def test_pinned_bytes_below_staging_bytes_is_refused_in_one_line(tmp_path, capsys):
+    import yaml
+
+    from distill.errors import ConfigError
+    from teacher.cli import main
+    from teacher.config import ConnectorConfig
+
+    with pytest.raises(ConfigError, match=r"pinned_bytes \(1048576\) must be 0 or at least staging_bytes"):
+        ConnectorConfig.from_extra({"pinned_bytes": MiB})
+    assert ConnectorConfig.from_extra({"pinned_bytes": 1 << 32}).pinned_bytes == 1 << 32
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "text": "x"}\n')
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        yaml.safe_dump(
+            {
+                "teacher": {"model": str(tmp_path), "layer_ids": [1], "dataset": str(data)},
+                "spool": {"dir": str(tmp_path / "spool")},
+            }
+        )
+    )
+    assert main(["--config", str(run), "--set", "teacher.pinned_bytes=1048576"]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("distill-teacher: error: ")]
+    assert len(lines) == 1 and "pinned_bytes (1048576) must be 0 or at least staging_bytes" in lines[0], err
+    assert "Traceback" not in err
