@@ -101,11 +101,11 @@ def test_background_pool_stops_growing_when_pinning_fails(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("copy_threads", "shm", "rows"),
-    [(1, "auto", 8), (3, "auto", 1031), (3, "off", 1031)],
-    ids=["one-copy-ring", "chunked-ring", "chunked-pageable"],
+    ("copy_threads", "shm", "rows", "block"),
+    [(1, "auto", 8, False), (3, "auto", 1031, False), (3, "off", 1031, False), (3, "auto", 1031, True)],
+    ids=["one-copy-ring", "chunked-ring", "chunked-pageable", "chunked-ring-block"],
 )
-def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm, rows):
+def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm, rows, block):
     """The CUDA placement path on the CPU: a sample in a (here unpinned) staging buffer is copied
     once, into a shared-memory ring slot (shm auto) or fresh memory (shm off), and submitted; the
     staging buffer goes back to the pool and may be overwritten at once without touching what the
@@ -136,7 +136,8 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
     conn.layer_ids = [1, 2]
     conn._placed = {"stream": 0, "spool": 0, "errors": 0}
     conn._timing = ConnectorTiming()
-    conn._pinned = PinnedPool(1, pin=False)
+    # block: staging is a range of one pinned block (teacher.pinned_bytes), not a buffer of its own
+    conn._pinned = PinnedBlock(16 * MiB, 4, pin=False) if block else PinnedPool(1, pin=False)
     conn._copy_pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
     shape = (rows, 2, 1024)
     nbytes = rows * 2 * 1024 * 4
@@ -159,7 +160,11 @@ def test_staged_sample_copied_out_once(tmp_path, monkeypatch, copy_threads, shm,
 
         monkeypatch.setattr(conn, "_digest", no_second_pass)
         conn._place(SendJob("req-1", info, torch.arange(rows), hs, None, staging, None))
-        assert conn._pinned.take(1) is staging  # given back to the pool ...
+        if block:  # the range went back: the block is one free range, and the next take reuses it
+            assert conn._pinned.free_ranges() == [(0, conn._pinned.nbytes)]
+            assert conn._pinned.take(1).data_ptr() == staging.data_ptr()
+        else:
+            assert conn._pinned.take(1) is staging  # given back to the pool ...
         staging.fill_(0)  # ... and reused at once
         s = sub.get(timeout=10)
         assert s is not None and s.key == "row-1" and s.meta["m"] == 1
