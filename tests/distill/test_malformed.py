@@ -152,6 +152,50 @@ def test_student_rejects_malformed_samples_and_keeps_receiving(tmp_path, checksu
         router.close(0)
 
 
+def test_student_rejects_chunked_samples_with_a_damaged_missing_or_extra_chunk(tmp_path):
+    """Tensors in several frames (transport.chunk_bytes, the default with CURVE) over a real socket
+    from a fake teacher: a flipped byte in one chunk is a checksum error (the default digest, taken
+    over the joined bytes) and the student opens a new session for the teacher to send it again; a
+    missing or an extra chunk is a frames error. None is handed out; the intact copy is, whole."""
+    ep = f"ipc://{tmp_path}/fake-teacher.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(ep)
+    sub = Subscriber(TransportConfig(connect=[ep], heartbeat_interval_s=0.1, shm="off")).start()
+
+    def welcome() -> bytes:
+        while True:
+            ident, msg = router.recv_multipart()
+            if P.decode_header(msg)["k"] == P.HELLO:
+                break
+        router.send_multipart([ident, P.encode_control(P.WELCOME, tid="fake", shm=None)])
+        return ident
+
+    try:
+        ident = welcome()
+        hs = torch.arange(24, dtype=torch.float32).view(4, 2, 3)  # 96 bytes: 6 chunks of 16
+        sample = Sample(
+            key="k", tensors={"hidden_states": hs, "token_ids": torch.arange(4)}, teacher="fake", seq=1
+        )
+        frames = [bytes(f) for f in P.encode_sample(sample, checksum=TransportConfig().checksum, chunk=16)]
+        assert P.decode_header(frames[0])["ch"] == 16 and len(frames) == 1 + 6 + 2
+        flipped = list(frames)
+        flipped[3] = bytes([flipped[3][0] ^ 1]) + flipped[3][1:]
+        router.send_multipart([ident, *flipped])
+        ident = welcome()  # the damaged sample ended the session: a new one
+        assert sub.stats()["rejected_by_reason"].get("checksum") == 1
+        router.send_multipart([ident, *frames[:3], *frames[4:]])  # a chunk missing
+        router.send_multipart([ident, *frames, frames[-1]])  # one too many
+        assert _wait(lambda: sub.stats()["rejected_by_reason"].get("frames") == 2), sub.stats()
+        router.send_multipart([ident, *frames])
+        s = sub.get(timeout=10)
+        assert s is not None and s.key == "k" and torch.equal(s.tensors["hidden_states"], hs)
+        assert torch.equal(s.tensors["token_ids"], torch.arange(4))
+        assert sub.stats()["received"] == 1 and sub.stats()["rejected"] == 3
+    finally:
+        sub.close()
+        router.close(0)
+
+
 def test_student_reports_teacher_protocol_version_clearly(tmp_path):
     ep = f"ipc://{tmp_path}/old-teacher.sock"
     router = zmq.Context.instance().socket(zmq.ROUTER)
