@@ -69,6 +69,7 @@ class StudentSessions:
         # Students whose session ended in silence (heartbeat timeout, unreachable) and who have
         # not come back (HELLO) or left (BYE) since: name -> when. After END the teacher waits a
         # while for them (a link down, a frozen process): END reaches a student only in a session.
+        # Kept for transport.teacher_wait_s: a student silent that long has stopped by itself.
         self._silent: dict[str, float] = {}
 
     def open(self, *, run_id: str | None, journal: Journal | None, shm: list | None) -> None:
@@ -103,6 +104,7 @@ class StudentSessions:
     def names(self) -> list[str]:
         """The students of open sessions and of sessions that ended in silence (not back since)."""
         with self._lost_lock:
+            self._forget_stopped(time.monotonic())
             silent = set(self._silent)
         return sorted(silent | {st.name for st in self.students.values()})
 
@@ -115,6 +117,13 @@ class StudentSessions:
             for n in names:
                 if n not in open_:
                     self._silent.setdefault(n, now)
+            self._forget_stopped(now)
+
+    def _forget_stopped(self, now: float) -> None:
+        """(_lost_lock held) Drop the students silent for longer than transport.teacher_wait_s:
+        each has given up on its teacher and stopped by itself (a long run keeps no list of them)."""
+        for n in [n for n, t in self._silent.items() if now - t > self.cfg.teacher_wait_s]:
+            del self._silent[n]
 
     # --- I/O thread ------------------------------------------------------------------------------
 
@@ -165,6 +174,7 @@ class StudentSessions:
             # connection closes at once: it is not waited for.
             if why in _SILENT and now - st.last_seen >= self.cfg.heartbeat_timeout_s / 2:
                 self._silent[st.name] = now
+                self._forget_stopped(now)
             else:
                 self._silent.pop(st.name, None)
         back = sorted(st.inflight.values(), key=lambda e: e.sample.seq, reverse=True)

@@ -171,6 +171,37 @@ def test_end_only_when_the_run_says_so(tmp_path):
         assert sub.get(timeout=10) is None and sub.finished
 
 
+def test_the_students_a_publisher_names_and_expects_and_how_long_it_remembers_them(tmp_path):
+    """`student_names`: open sessions, and expected or silent students not come yet; one that came
+    and left (BYE) is not named. After END, an expected student that never comes is waited for
+    (grace_s from the expectation) and reported. A name silent past transport.teacher_wait_s is
+    forgotten (that student has stopped by itself): a long run keeps no growing list."""
+    cfg = _cfg(tmp_path, shm="off", teacher_wait_s=4.0)
+    with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool")), auto_end=False) as pub:
+        assert pub.student_names() == []
+        with Subscriber(cfg) as sub:
+            assert wait_until(lambda: pub.stats()["students"] == 1, 10)
+            me = sub.name
+            assert pub.student_names() == [me]
+            pub.submit(_sample(1))
+            pub.close_input()
+            sub.ack(sub.get(timeout=10))
+            assert pub.wait_idle(10)
+            pub.expect_students(["gone-0", "gone-1", me])  # `me` is here: not waited for
+            assert pub.student_names() == sorted(["gone-0", "gone-1", me])
+            pub.end()
+            assert pub.wait_done(10)
+            t0 = time.monotonic()
+            missing = pub.wait_end_delivered(0.2, grace_s=3.0)
+            waited = time.monotonic() - t0
+            assert sub.get(timeout=10) is None and sub.finished  # END reached the one that came
+        assert missing == ["gone-0", "gone-1"], missing
+        assert 1.0 < waited < 0.2 + cfg.heartbeat_timeout_s + 3.0 + 2.0, waited
+        assert me not in pub.student_names()  # it left (BYE)
+        # forgotten once silent for longer than teacher_wait_s (4 s after expect_students)
+        assert wait_until(lambda: pub.student_names() == [], 10), pub.student_names()
+
+
 def test_student_gives_up_on_a_silent_teacher(tmp_path):
     cfg = _cfg(tmp_path, teacher_wait_s=2.0, heartbeat_timeout_s=0.5)
     with Publisher(cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:

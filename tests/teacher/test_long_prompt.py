@@ -143,7 +143,12 @@ def test_staging_bytes_setting_is_checked_in_one_line(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"id": "a", "text": "x"}\n')
     cfg = {
-        "teacher": {"model": str(model), "layer_ids": [1, 2, 4], "dataset": str(data)},
+        "teacher": {
+            "model": str(model),
+            "layer_ids": [1, 2, 4],
+            "dataset": str(data),
+            "journal": str(tmp_path / "journal.txt"),  # not runs/ of the checkout
+        },
         "spool": {"dir": str(tmp_path / "spool")},
     }
     run = tmp_path / "run.yaml"
