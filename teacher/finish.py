@@ -82,14 +82,15 @@ def finish(conn: ConnectorConfig, student_wait_s: float, progress_every_s: float
         say(f"error: {e}: stop the vllm serve teacher first, then run this again")
         return EXIT_CONFIG
     pub = Publisher(transport, conn.spool, journal=conn.journal, auto_end=False)
-    flow = take_flow(conn.journal) if conn.journal else None  # written by the server's connector
-    if flow is not None:
-        pub.expect_students(flow["student_names"])
     try:
         pub.start()
     except TransportError as e:
         say(f"error: {e}: stop the vllm serve teacher first, then run this again")
         return EXIT_CONFIG
+    # Taken once this Publisher holds the journal: a try that cannot start leaves it to the next.
+    flow = take_flow(conn.journal) if conn.journal else None  # written by the server's connector
+    if flow is not None:
+        pub.expect_students(flow["student_names"])
     try:
         pub.close_input()
         return _serve(pub, transport, conn, student_wait_s, progress_every_s, stop)
