@@ -190,8 +190,11 @@ class PinnedBlock:
 
     ALIGN = 4096
 
-    def __init__(self, nbytes: int, capacity: int, *, pin: bool = True):
-        self.nbytes = nbytes + self.ALIGN  # room for a sample of nbytes plus its slack, rounded up
+    def __init__(self, nbytes: int, capacity: int, *, largest: int = 0, pin: bool = True):
+        # Exactly the bytes asked for (rounded up to 4 KiB), or the largest single range if that is
+        # more: torch's pinned allocator rounds a request up to a power of two, so a 4 GiB setting
+        # plus a few KiB of slack would pin 8 GiB.
+        self.nbytes = -(-max(nbytes, largest) // self.ALIGN) * self.ALIGN
         self.capacity = capacity
         self.error: BaseException | None = None
         self._block: torch.Tensor | None = None

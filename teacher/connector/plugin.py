@@ -269,7 +269,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
         if self._kv_cache.is_cuda:
             if self.cfg.pinned_bytes:  # pinned now, while the engine starts
-                self._pinned = PinnedBlock(self.cfg.pinned_bytes, self.cfg.pinned_buffers)
+                # (the largest range: a whole sample of staging_bytes and its alignment slack)
+                largest = self.cfg.staging_bytes + SLACK
+                self._pinned = PinnedBlock(self.cfg.pinned_bytes, self.cfg.pinned_buffers, largest=largest)
             else:
                 self._pinned = PinnedPool(
                     self.cfg.pinned_buffers,
