@@ -1,6 +1,7 @@
 """How many samples one CPU student process can receive, decode and batch (no model).
 
     .venv/bin/python benchmarks/student_decode.py [--tokens 1024] [--layers 4] [--hidden 4096] [--seconds 10]
+    .venv/bin/python benchmarks/student_decode.py --collate-only [--hidden 2048] [--threads 1,2,4]
 
 A Publisher (this process) sends Qwen3-8B-sized samples (default 1024 tokens x 4 layers x 4096, bf16
 = 32 MiB) as fast as credit allows to ONE student process, over the shared-memory path and over tcp.
@@ -8,6 +9,10 @@ The student decodes each sample, picks the layers a layer map needs, and collate
 batches with student/data.py (a real copy into padded batch tensors), then acks. Prints samples/s,
 tokens/s and GB/s per path; a teacher at ~27k prefill tokens/s (one H200, Qwen3-8B) needs
 ~26 samples/s of 1024 tokens. Last line: one JSON object.
+
+--collate-only: no transport; student.data.collate of 16 samples of 600 to `--tokens - 1` tokens
+(half of `--layers` layers picked, evenly spaced) with each `student.collate_threads` count of
+`--threads`, 20 rounds after one warm-up: ms per batch and GB/s of teacher rows.
 """
 
 from __future__ import annotations
@@ -112,6 +117,38 @@ def run(shm: str, args, ctx) -> dict:
     return r
 
 
+def collate_only(args) -> dict:
+    """student.data.collate alone, at each thread count (the process's own torch threads: 1, as
+    under `accelerate launch`)."""
+    import random
+
+    from student.data import collate
+
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    layer_ids = list(range(1, args.layers + 1))
+    picked = layer_ids[1::2] or layer_ids[:1]
+    samples = []
+    for i in range(16):
+        n = rng.randint(min(600, args.tokens - 1), args.tokens - 1)
+        hs = torch.randn(n, args.layers, args.hidden).bfloat16()
+        ids = torch.arange(n)
+        samples.append(Sample(key=f"k{i}", tensors={"hidden_states": hs, "token_ids": ids}, layers=layer_ids))
+    nbytes = sum(s.num_tokens for s in samples) * len(picked) * args.hidden * 2
+    out = {"batch_mb": round(nbytes / 1e6, 1)}
+    for threads in [int(x) for x in args.threads.split(",")]:
+        collate(samples, picked, threads=threads)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            collate(samples, picked, threads=threads)
+        dt = (time.perf_counter() - t0) / 20
+        print(
+            f"collate_threads {threads}: {dt * 1e3:.1f} ms a batch, {nbytes / dt / 1e9:.1f} GB/s", flush=True
+        )
+        out[f"threads_{threads}_ms"] = round(dt * 1e3, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1024)
@@ -119,9 +156,15 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=8192, help="tokens per batch")
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--collate-only", action="store_true", help="time student.data.collate alone")
+    ap.add_argument("--threads", default="1,2,4", help="--collate-only: collate_threads counts")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     res = {"machine": f"{platform.node()} {os.cpu_count()} cores", "command": "python " + " ".join(sys.argv)}
+    if args.collate_only:
+        res.update(collate_only(args))
+        print(json.dumps(res))
+        return
     for shm in ("auto", "off"):
         r = run(shm, args, ctx)
         name = "shm" if shm == "auto" else "tcp"

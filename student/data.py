@@ -10,8 +10,10 @@ optimizer step that used them.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -195,14 +197,44 @@ def check_sample(sample: Sample, layer_ids: list[int], hidden_size: int, partial
         )
 
 
+# A batch's teacher rows are copied by up to `threads` threads (one sample each) once they come to
+# this many bytes; smaller ones on the calling thread. The copies release the GIL, and under
+# `accelerate launch` (OMP_NUM_THREADS=1) PyTorch's own copy uses one thread.
+PARALLEL_COLLATE_BYTES = 8 << 20
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="distill-collate")
+        return _pools[threads]
+
+
+def _run_copies(copies: list[Callable[[], object]], nbytes: int, threads: int) -> None:
+    if threads > 1 and len(copies) > 1 and nbytes >= PARALLEL_COLLATE_BYTES:
+        for _ in _pool(threads).map(lambda c: c(), copies):  # (re-raises a copy's error here)
+            pass
+    else:
+        for c in copies:
+            c()
+
+
 def collate(
-    samples: list[Sample], layer_ids: list[int], pin_memory: bool = False, pad_to_multiple_of: int = 1
+    samples: list[Sample],
+    layer_ids: list[int],
+    pin_memory: bool = False,
+    pad_to_multiple_of: int = 1,
+    threads: int = 1,
 ) -> Batch:
     """Copy `samples` into one packed Batch: token ids and mask padded on the right to T (the
     longest sample, rounded up to `pad_to_multiple_of`), the selected teacher layers packed
     [N, n, H] in the dtype the teacher sent, read by index straight from each received view (no
     upcast, no zero-filled padding on the host). `pin_memory`: page-locked, for an asynchronous copy
-    to a GPU (`Batch.to`). The result owns its memory: the samples' views may die after this."""
+    to a GPU (`Batch.to`). `threads`: the teacher rows of a batch of at least
+    PARALLEL_COLLATE_BYTES are copied by that many threads, a sample each (`student.collate_threads`).
+    The result owns its memory: the samples' views may die after this."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     quantized = [fp8.is_quantized(s) for s in samples]
@@ -210,12 +242,16 @@ def collate(
         samples = [fp8.dequantize_sample(s) for s in samples]
         quantized = [False]
     if quantized[0]:
-        return _collate_fp8(samples, layer_ids, pin_memory, pad_to_multiple_of)
-    return collate_values(samples, layer_ids, pin_memory, pad_to_multiple_of)
+        return _collate_fp8(samples, layer_ids, pin_memory, pad_to_multiple_of, threads)
+    return collate_values(samples, layer_ids, pin_memory, pad_to_multiple_of, threads)
 
 
 def collate_values(
-    samples: list[Sample], layer_ids: list[int], pin_memory: bool = False, pad_to_multiple_of: int = 1
+    samples: list[Sample],
+    layer_ids: list[int],
+    pin_memory: bool = False,
+    pad_to_multiple_of: int = 1,
+    threads: int = 1,
 ) -> Batch:
     """`collate` without the fp8 handling: the teacher rows copied in the dtype they have."""
     lengths = [s.num_tokens for s in samples]
@@ -228,6 +264,7 @@ def collate_values(
     partial = any(s.positions is not None for s in samples)
     held = torch.zeros(len(samples), t_max, dtype=torch.bool) if partial else None
     teacher = torch.empty(sum(lengths), len(layer_ids), hidden, dtype=dtype, pin_memory=pin_memory)
+    copies: list[Callable[[], object]] = []  # the teacher rows, a sample each (disjoint ranges)
     off = 0
     for b, s in enumerate(samples):
         n = lengths[b]
@@ -238,16 +275,16 @@ def collate_values(
         lm = s.tensors.get("loss_mask")
         loss_mask[b, :n] = True if lm is None else lm.bool()  # (shape checked by check_sample)
         at = s.positions
+        dst = teacher[off : off + n]
         if at is None:
-            copy_layers(teacher[off : off + n], hs, pos)
+            copies.append(lambda dst=dst, hs=hs, pos=pos: copy_layers(dst, hs, pos))
             if held is not None:
                 held[b, :n] = True
         else:  # some positions only: their rows where they belong, 0 elsewhere (never read)
-            rows = torch.empty(hs.shape[0], len(layer_ids), hidden, dtype=dtype)
-            copy_layers(rows, hs, pos)
-            teacher[off : off + n].zero_().index_copy_(0, at.long(), rows)
+            copies.append(lambda dst=dst, hs=hs, pos=pos, at=at: _copy_positions(dst, hs, pos, at))
             held[b, at.long()] = True
         off += n
+    _run_copies(copies, teacher.nbytes, threads)
     if pin_memory:
         input_ids, mask, loss_mask = input_ids.pin_memory(), mask.pin_memory(), loss_mask.pin_memory()
         held = held.pin_memory() if held is not None else None
@@ -263,8 +300,15 @@ def collate_values(
     )
 
 
+def _copy_positions(dst: torch.Tensor, hs: torch.Tensor, pos: list[int], at: torch.Tensor) -> None:
+    """A sample that holds some positions only: its rows where they belong in `dst`, 0 elsewhere."""
+    rows = torch.empty(hs.shape[0], len(pos), *dst.shape[2:], dtype=dst.dtype)
+    copy_layers(rows, hs, pos)
+    dst.zero_().index_copy_(0, at.long(), rows)
+
+
 def _collate_fp8(
-    samples: list[Sample], layer_ids: list[int], pin_memory: bool, pad_to_multiple_of: int
+    samples: list[Sample], layer_ids: list[int], pin_memory: bool, pad_to_multiple_of: int, threads: int
 ) -> Batch:
     """`collate` for fp8 samples: the float8 rows as bytes and their scales, both packed; the
     dequantization happens in `Batch.to` on the device."""
@@ -273,7 +317,7 @@ def _collate_fp8(
         t = dict(s.tensors)
         t["hidden_states"] = t["hidden_states"].view(torch.uint8)
         as_bytes.append(Sample(key=s.key, tensors=t, layers=s.layers, meta=s.meta))
-    batch = collate_values(as_bytes, layer_ids, pin_memory, pad_to_multiple_of)
+    batch = collate_values(as_bytes, layer_ids, pin_memory, pad_to_multiple_of, threads)
     scale = torch.empty(batch.teacher.shape[:2], dtype=torch.float32, pin_memory=pin_memory)
     off = 0
     for s, n in zip(samples, batch.lengths, strict=True):

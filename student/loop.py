@@ -229,7 +229,11 @@ class Trainer:
                     logger.info(hint)
             if mb.samples:
                 mb.batch = collate(
-                    mb.samples, b.layer_ids, pin_memory=self.pin, pad_to_multiple_of=self.pad_to
+                    mb.samples,
+                    b.layer_ids,
+                    pin_memory=self.pin,
+                    pad_to_multiple_of=self.pad_to,
+                    threads=self.cfg.collate_threads,
                 )
                 self.drop_stale(mb)
         except TeacherGone as e:

@@ -229,6 +229,8 @@ def child_bare(args) -> dict:
         collate_kw["pin_memory"] = dev.type == "cuda"
     if "pad_to_multiple_of" in params:
         collate_kw["pad_to_multiple_of"] = pad_to
+    if "threads" in params:
+        collate_kw["threads"] = cfg.collate_threads
     out["bare_with_student_collate_kw"] = collate_kw
     ph2 = collections.defaultdict(float)
     t0 = time.perf_counter()

@@ -150,6 +150,45 @@ def test_collate_pads_masks_selects_layers_and_copies():
     assert host.teacher[:5].abs().sum() > 0 and batch.teacher[0].abs().sum() > 0
 
 
+def test_collate_in_threads_gives_bitwise_the_batch_of_one_thread(monkeypatch):
+    """student.collate_threads: each sample's rows copied by a pool thread land exactly where the
+    loop's own thread puts them: whole samples in either layer order, a sample holding some
+    positions only, and an fp8 batch's rows and scales."""
+    import student.data as data
+    from distill import fp8
+    from distill.capture import held_positions
+
+    monkeypatch.setattr(data, "PARALLEL_COLLATE_BYTES", 0)  # the pool even for these small batches
+    lm = torch.tensor([0, 1, 1, 0, 1, 0, 0], dtype=torch.uint8)
+    pos = held_positions(lm)
+    part = sample("p", 7, layers=(2, 4), seed=3)
+    part.tensors = {
+        "hidden_states": part.tensors["hidden_states"][pos.long()].contiguous(),
+        "loss_mask": lm,
+        "positions": pos,
+        "token_ids": part.tensors["token_ids"],
+    }
+    ss = [sample(f"s{i}", 3 + 4 * i, layers=(2, 4) if i % 2 else (4, 2), seed=i) for i in range(6)] + [part]
+    calls = []
+    real = data._pool
+    monkeypatch.setattr(data, "_pool", lambda n: calls.append(n) or real(n))
+    one, three = collate(ss, [2, 4], threads=1), collate(ss, [2, 4], threads=3)
+    assert calls == [3]  # one batch went through the pool, the other stayed on this thread
+    for name in ("input_ids", "mask", "teacher", "loss_mask", "held"):
+        assert torch.equal(getattr(one, name), getattr(three, name)), name
+    assert three.lengths == one.lengths
+    q = []
+    for s in ss[:4]:
+        v, sc = fp8.quantize(s.tensors["hidden_states"].float())
+        q.append(
+            Sample(key=s.key, tensors={**s.tensors, "hidden_states": v, fp8.SCALE_KEY: sc}, layers=s.layers)
+        )
+        q[-1].meta = {"hidden_dtype": "bfloat16"}
+    q1, q3 = collate(q, [2, 4]), collate(q, [2, 4], threads=3)
+    assert torch.equal(q1.teacher.view(torch.uint8), q3.teacher.view(torch.uint8))
+    assert torch.equal(q1.scale, q3.scale) and torch.equal(q1.to("cpu").teacher, q3.to("cpu").teacher)
+
+
 def test_collate_rounds_the_length_and_keeps_every_layer_order():
     s1, s2 = sample("a", 5, layers=(2, 4)), sample("b", 7, layers=(2, 4), seed=1)
     batch = collate([s1, s2], [2, 4], pad_to_multiple_of=4).to("cpu")
