@@ -17,6 +17,8 @@ Paths (every student touches one byte per 4 KiB page of each sample, then acknow
   memcpy  one in-process copy of the same bytes (the ceiling)
 
 Samples: 8 MiB and 32 MiB bf16, --total-mb of each size per path and repeat. Prints GB/s per path
+and, for the ZeroMQ paths, the cores each side kept busy while timed (CPU seconds of the teacher
+process, ZeroMQ I/O threads included, and of the students together, over the wall time);
 and size (median over repeats) and the ratios; the last line is one JSON object with every figure.
 """
 
@@ -28,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -48,6 +51,13 @@ from distill.transport import Publisher, Subscriber  # noqa: E402
 
 MiB = 1 << 20
 PAGE = 4096
+CORES: list[tuple[float, float]] = []  # (teacher, students) cores busy of each ZeroMQ run, in order
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process so far, all of its threads (ZeroMQ's I/O threads included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def touch(t: torch.Tensor) -> int:
@@ -64,11 +74,14 @@ def zmq_student(ep: str, shm: str, ready, done_q, curve: dict | None = None) -> 
     with Subscriber(cfg, name=f"bench-{os.getpid()}") as sub:
         ready.set()
         n = 0
+        cpu0 = None  # this process's CPU seconds (every thread) when the first timed sample came
         for s in sub:
+            if cpu0 is None and not s.key.startswith("w"):
+                cpu0 = cpu_s()
             touch(s.tensors["hidden_states"])
             sub.ack(s)
             n += 1
-        done_q.put(n)
+        done_q.put((n, cpu_s() - cpu0 if cpu0 is not None else 0.0))
 
 
 def file_reader(q, done_q) -> None:
@@ -186,14 +199,15 @@ def run_zmq(
             pub.submit(Sample(key=f"w{i}", tensors={"hidden_states": pool[i % len(pool)]}))
         while pub.stats()["acked"] < warm:
             time.sleep(0.005)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s()
         for i in range(count):
             pub.submit(Sample(key=f"k{i}", tensors={"hidden_states": pool[i % len(pool)]}))
         pub.close_input()
         if not pub.wait_done(600):
             raise RuntimeError("zmq path did not finish")
-        dt = time.perf_counter() - t0
-        got = sum(done_q.get(timeout=60) for _ in range(n)) - warm
+        dt, teacher_cpu = time.perf_counter() - t0, cpu_s() - c0
+        ends = [done_q.get(timeout=60) for _ in range(n)]
+        got = sum(e[0] for e in ends) - warm
         for p in procs:
             p.join()
         st = pub.stats()
@@ -202,6 +216,8 @@ def run_zmq(
         raise RuntimeError(f"zmq path delivered {got}/{count}, spooled {st['spooled']}")
     if shm == "auto" and st.get("shm_samples", 0) != count + warm:
         raise RuntimeError(f"shm path used the ring for only {st.get('shm_samples', 0)}/{count} samples")
+    # Cores busy while timed: the teacher process, and the students together.
+    CORES.append((teacher_cpu / dt, sum(e[1] for e in ends) / dt))
     return dt
 
 
@@ -332,9 +348,12 @@ def main() -> None:
         nbytes = pool[0].numel() * 2
         count = max(2, args.total_mb // size)
         times: dict[str, list[float]] = {p: [] for p in paths}
+        cores: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
         for r in range(args.repeats):
             for p in paths:
+                CORES.clear()
                 times[p].append(run[p](pool, count))
+                cores[p].extend(CORES)
             print(
                 f"  {size} MiB repeat {r + 1}: "
                 + ", ".join(f"{p} {count * nbytes / times[p][-1] / 1e9:.2f}" for p in paths),
@@ -343,6 +362,11 @@ def main() -> None:
         gbs = {p: count * nbytes / statistics.median(times[p]) / 1e9 for p in paths}
         for p in paths:
             results[f"gbs_{p}_{size}mib"] = round(gbs[p], 3)
+            if cores[p]:  # median over repeats of the cores each side kept busy
+                results[f"cores_{p}_{size}mib"] = {
+                    "teacher": round(statistics.median(c[0] for c in cores[p]), 2),
+                    "students": round(statistics.median(c[1] for c in cores[p]), 2),
+                }
         ratios = {}
         for a, b in (
             ("shm", "file"),
@@ -359,7 +383,13 @@ def main() -> None:
         results[f"samples_{size}mib"] = count
         print(f"{size} MiB samples x {count} ({count * nbytes / 1e6:.0f} MB), median of {args.repeats}:")
         for p in paths:
-            print(f"  {p:7s} {gbs[p]:7.2f} GB/s")
+            busy = results.get(f"cores_{p}_{size}mib")
+            cores_note = (
+                f"   cores busy: teacher {busy['teacher']:.2f}, students {busy['students']:.2f}"
+                if busy
+                else ""
+            )
+            print(f"  {p:7s} {gbs[p]:7.2f} GB/s{cores_note}")
         print("  " + "   ".join(f"{k.replace('_over_', '/')} {v:.2f}" for k, v in ratios.items()))
     for key in (
         "shm_over_file",
