@@ -95,8 +95,9 @@ class TransportConfig(Strict):
     socket_buffer_bytes: int = Field(4 * MiB, ge=0)
     # Teacher side: ZeroMQ I/O threads of the teacher's socket. Each student connection is served
     # by one of them (framing, and CURVE's encryption when `curve` is set), so with several tcp
-    # students and CURVE more threads spread the encryption over more cores; 1 keeps everything
-    # on one (enough without CURVE, and shared-memory students move only headers).
+    # students and CURVE more threads spread the encryption over more cores (one connection's
+    # stays on one thread: about 0.8 GB/s on a 16-core GPU host); 1 keeps everything on one.
+    # Shared-memory students move only headers. Measured: BENCHMARKS.md, "Transport and CURVE".
     io_threads: int = Field(1, ge=1, le=64)
     # Teacher side: a tensor larger than this goes to a student over tcp in frames of this many
     # bytes, which the student joins (one copy). Each frame is then encrypted (CURVE) and copied
