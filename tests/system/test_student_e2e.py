@@ -195,9 +195,11 @@ def test_stream_two_ranks_disjoint_union_and_loss_falls(stream_run, assets):
     assert sum(s["samples"] for s in m["steps"]) == N_SAMPLES
     # Steps are collective and numbered 1..n once each.
     assert [s["step"] for s in m["steps"]] == list(range(1, m["summary"]["steps"] + 1))
-    # The teacher saw every sample acknowledged (it exits 0 only then) and its stats say so.
+    # The teacher saw every sample acknowledged (it exits 0 only then) and its stats say so. (Its
+    # `students` count is of sessions open when the stats were read, after END: a rank that got END
+    # may have left by then, so the two ranks are counted from their own records below.)
     stats = json.loads((stream_run / "teacher.summary.json").read_text())["stats"]
-    assert stats["acked"] == N_SAMPLES and stats["students"] == 2
+    assert stats["acked"] == N_SAMPLES and stats["committed"] == N_SAMPLES
     assert [st["received"] for st in m["summary"]["source_stats"]] == [len(by_rank[0]), len(by_rank[1])]
     # The distillation loss falls clearly.
     ratio = loss_ratio(m["steps"])
