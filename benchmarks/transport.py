@@ -17,9 +17,9 @@ Paths (every student touches one byte per 4 KiB page of each sample, then acknow
   memcpy  one in-process copy of the same bytes (the ceiling)
 
 Samples: 8 MiB and 32 MiB bf16, --total-mb of each size per path and repeat. Prints GB/s per path
-and, for the ZeroMQ paths, the cores each side kept busy while timed (CPU seconds of the teacher
-process, ZeroMQ I/O threads included, and of the students together, over the wall time);
-and size (median over repeats) and the ratios; the last line is one JSON object with every figure.
+and size (median over repeats) and the ratios; for the ZeroMQ paths also the cores each side kept
+busy while timed (CPU seconds of the teacher process, ZeroMQ I/O threads included, and of the
+students together, over the wall time). The last line is one JSON object with every figure.
 """
 
 from __future__ import annotations
