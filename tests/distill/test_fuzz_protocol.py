@@ -280,6 +280,10 @@ def test_student_survives_mutated_teacher_messages(tmp_path):
     ep = f"ipc://{tmp_path}/t.sock"
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    # No send limit: a ROUTER drops what goes past its high-water mark, and 10,000 messages sent at
+    # once would lose some (the good sample among them) whenever the student drains them slowly. The
+    # real teacher sends within the student's credit.
+    router.setsockopt(zmq.SNDHWM, 0)
     router.bind(ep)
     rng = random.Random(12)
     cfg = TransportConfig(connect=[ep], shm="auto", shm_dir=str(tmp_path), heartbeat_timeout_s=30)
