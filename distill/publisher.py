@@ -40,7 +40,7 @@ from distill.journal import Journal, check_key, stored_run_id
 from distill.protocol import Sample
 from distill.ring_lane import RingLane
 from distill.shm import RingSlot
-from distill.sockets import router_socket
+from distill.sockets import close_router, router_socket
 from distill.spool import list_spool, spool_name
 from distill.spooler import Spooler
 from distill.student_sessions import StudentSessions
@@ -377,7 +377,7 @@ class Publisher:
             )
         self._ring.close()
         self._close_journal()
-        self._sock.close(linger=int(linger_s * 1000))
+        close_router(self._sock, self.cfg, int(linger_s * 1000))
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

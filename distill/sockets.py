@@ -86,13 +86,48 @@ def router_socket(cfg: TransportConfig) -> tuple[zmq.Socket, object]:
         sock.setsockopt(zmq.RCVBUF, cfg.socket_buffer_bytes)
     for ep in cfg.bind:
         try:
-            sock.bind(ep)
+            _bind(sock, ep)
         except zmq.ZMQError as e:
             sock.close(0)
             if auth is not None:
                 auth.stop()
             raise TransportError(f"cannot bind teacher endpoint {ep!r}: {e}") from None
     return sock, auth
+
+
+# Endpoints whose ROUTER this process closed, and when. ZeroMQ closes a socket in its I/O thread,
+# after close() returns: the listening port is free a few milliseconds later (longer on a loaded
+# host), so the next Publisher on the same endpoint (distill-teacher's serve phase after its
+# engine phase) waits for it, briefly, instead of failing with "Address already in use".
+_RELEASED: dict[str, float] = {}
+_REBIND_WAIT_S = 5.0
+
+
+def _bind(sock: zmq.Socket, ep: str) -> None:
+    import time
+
+    released = _RELEASED.get(ep)
+    deadline = time.monotonic() + _REBIND_WAIT_S
+    while True:
+        try:
+            sock.bind(ep)
+            return
+        except zmq.ZMQError as e:
+            mine = released is not None and time.monotonic() - released < 2 * _REBIND_WAIT_S
+            if e.errno != zmq.EADDRINUSE or not mine or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def close_router(sock: zmq.Socket, cfg: TransportConfig, linger_ms: int) -> None:
+    """Close the teacher's ROUTER; a new one may bind the same endpoints at once (`router_socket`
+    waits up to 5 s for ZeroMQ to let the port go)."""
+    import time
+
+    sock.close(linger=linger_ms)
+    now = time.monotonic()
+    for ep in cfg.bind:
+        _RELEASED[ep] = now
 
 
 def dealer_socket(cfg: TransportConfig, name: str, endpoint: str) -> zmq.Socket:

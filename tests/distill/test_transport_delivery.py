@@ -6,6 +6,7 @@ from another teacher, a full spool, stale rings, END only when the run says so."
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -509,3 +510,43 @@ def test_spool_files_added_again_are_sent_once(tmp_path):
     assert sorted(got) == [f"k{i:03d}" for i in range(4)]
     assert (st["sent"], st["replayed"], skipped) == (4, 4, 0), st
     assert list_spool(spool) == []
+
+
+def test_a_new_publisher_binds_the_endpoint_its_predecessor_just_closed(tmp_path):
+    """distill-teacher's serve phase starts its Publisher on the endpoint the engine phase's has just
+    closed. ZeroMQ lets the port go in its I/O thread after close() returns, so an immediate bind
+    used to fail now and then with "Address already in use" (it did in CI). Twenty hand-overs with
+    students connected, each new Publisher started at once: every one binds. A port held by a
+    socket that is not a closed Publisher's still fails, with one line."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = f"tcp://127.0.0.1:{port}"
+    cfg = _cfg(tmp_path, bind=[ep], connect=[ep], shm="off")
+    spool = SpoolConfig(dir=str(tmp_path / "spool"))
+    subs = [Subscriber(cfg).start() for _ in range(3)]
+    try:
+        pub = Publisher(cfg, spool, auto_end=False).start()
+        for i in range(20):
+            assert wait_until(lambda p=pub: p.stats()["students"] == 3, 15), (i, pub.stats())
+            pub.close()
+            pub = Publisher(cfg.model_copy(update={"teacher_id": f"t{i}"}), spool, auto_end=False).start()
+        pub.close()
+    finally:
+        for sub in subs:
+            sub.close()
+    other = zmq.Context.instance().socket(zmq.ROUTER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ep2 = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    other.bind(ep2)
+    try:
+        cfg2 = _cfg(tmp_path, bind=[ep2], connect=[ep2], shm="off")
+        try:
+            Publisher(cfg2, spool).start()
+        except TransportError as e:
+            assert "Address already in use" in str(e) and "\n" not in str(e)
+        else:
+            raise AssertionError("a Publisher bound a port another socket holds")
+    finally:
+        other.close(0)
