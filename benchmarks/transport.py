@@ -10,6 +10,8 @@ Paths (every student touches one byte per 4 KiB page of each sample, then acknow
   curvew  curve with transport.chunk_bytes 0 (each tensor in one frame)
   curve2, tcp2  curve / tcp with transport.io_threads 2 (one teacher I/O thread per student)
   curve4  curve with transport.io_threads 4 (for --students 4 on a host with the cores)
+  curvec2, curvec4  curve with 2 / 4 connections per student (transport.connections), the teacher
+          with one I/O thread per connection (io_threads = students x connections)
   shm     the same with the same-host shared-memory ring (header over ZeroMQ, bytes in /dev/shm)
   file    vLLM's documented file handoff: the writer takes an exclusive flock on <file>.lock, writes
           safetensors to /dev/shm, releases; the reader takes a shared flock, loads, deletes
@@ -69,8 +71,10 @@ def touch(t: torch.Tensor) -> int:
 # ---------------------------------------------------------------- student processes
 
 
-def zmq_student(ep: str, shm: str, ready, done_q, curve: dict | None = None) -> None:
-    cfg = TransportConfig(connect=[ep], shm=shm, credit_samples=8, credit_bytes=512 * MiB, curve=curve)
+def zmq_student(ep: str, shm: str, ready, done_q, curve: dict | None = None, conns: int = 1) -> None:
+    cfg = TransportConfig(
+        connect=[ep], shm=shm, credit_samples=8, credit_bytes=512 * MiB, curve=curve, connections=conns
+    )
     with Subscriber(cfg, name=f"bench-{os.getpid()}") as sub:
         ready.set()
         n = 0
@@ -166,6 +170,7 @@ def run_zmq(
     io_threads: int = 1,
     chunk: int | None = None,
     n: int = 2,
+    conns: int = 1,
 ) -> float:
     port = _free_port()
     ep = f"tcp://127.0.0.1:{port}"
@@ -185,13 +190,14 @@ def run_zmq(
         done_q = ctx.Queue()
         evs = [ctx.Event() for _ in range(n)]
         procs = [
-            ctx.Process(target=zmq_student, args=(ep, shm, evs[i], done_q, s_curve[i])) for i in range(n)
+            ctx.Process(target=zmq_student, args=(ep, shm, evs[i], done_q, s_curve[i], conns))
+            for i in range(n)
         ]
         for p in procs:
             p.start()
         for e in evs:
             e.wait(60)
-        while pub.stats()["students"] < n:
+        while pub.stats()["students"] < n * conns:
             time.sleep(0.01)
         # Warm-up lap (untimed): a long-running teacher reuses warm ring pages and socket buffers.
         warm = min(count, 24)
@@ -338,6 +344,12 @@ def main() -> None:
         "curve2": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, io_threads=2, n=ns),
         "curve4": lambda pool, count: run_zmq(pool, count, "off", ctx, curve=True, io_threads=4, n=ns),
         "tcp2": lambda pool, count: run_zmq(pool, count, "off", ctx, io_threads=2, n=ns),
+        "curvec2": lambda pool, count: run_zmq(
+            pool, count, "off", ctx, curve=True, io_threads=2 * ns, n=ns, conns=2
+        ),
+        "curvec4": lambda pool, count: run_zmq(
+            pool, count, "off", ctx, curve=True, io_threads=4 * ns, n=ns, conns=4
+        ),
         "shm": lambda pool, count: run_zmq(pool, count, "auto", ctx, n=ns),
         "file": lambda pool, count: run_file(pool, count, ctx),
         "socket": lambda pool, count: run_socket(pool, count, ctx),
@@ -376,6 +388,8 @@ def main() -> None:
             ("curvew", "tcp"),
             ("curve2", "tcp"),
             ("curve4", "tcp"),
+            ("curvec2", "tcp"),
+            ("curvec4", "tcp"),
             ("tcpc", "tcp"),
         ):
             if a in gbs and b in gbs:
@@ -399,6 +413,8 @@ def main() -> None:
         "curvew_over_tcp",
         "curve2_over_tcp",
         "curve4_over_tcp",
+        "curvec2_over_tcp",
+        "curvec4_over_tcp",
         "tcpc_over_tcp",
     ):
         vals = [v for k, v in results.items() if k.startswith(f"ratio_{key}_")]

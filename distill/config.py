@@ -67,6 +67,13 @@ class TransportConfig(Strict):
     # two batches makes the student wait for the teacher to refill it, and caps its batches.
     credit_samples: int = Field(64, gt=0)
     credit_bytes: int = Field(1 * GiB, gt=0)
+    # Student side: ZeroMQ connections to each teacher endpoint. Samples are spread over them and
+    # the credit window above is split among them (the student holds no more than with one). For
+    # CURVE across hosts: one connection's encryption runs on one I/O thread each side (about
+    # 0.8 GB/s on a 16-core GPU host), so several connections use several cores; the student gets
+    # that many I/O threads, and the teacher needs `io_threads` >= students x connections. Each
+    # connection is a session at the teacher, named `<student>.<i>` for i >= 1.
+    connections: int = Field(1, ge=1, le=16)
     # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),
     # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).
     shm: Literal["auto", "on", "off"] = "auto"
@@ -142,10 +149,18 @@ class TransportConfig(Strict):
         return v
 
     @property
+    def connection_credit(self) -> tuple[int, int]:
+        """(samples, bytes) of credit each of a student's connections asks for: the window split
+        `connections` ways (at least one sample each; a sample larger than its connection's bytes
+        still goes when that connection holds nothing)."""
+        n = self.connections
+        return max(1, self.credit_samples // n), max(1, self.credit_bytes // n)
+
+    @property
     def credit_window(self) -> int:
         """The most unacked samples the teachers let one student hold: credit_samples per teacher
-        endpoint it connects to."""
-        return self.credit_samples * len(self.connect)
+        endpoint it connects to (split among its `connections`)."""
+        return self.connection_credit[0] * self.connections * len(self.connect)
 
 
 class SpoolConfig(Strict):

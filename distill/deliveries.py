@@ -87,7 +87,7 @@ class Deliveries:
                 self._consumed[s.key] = None
                 copies = [s, *self._held.pop(s.key, [])]
                 for c in copies:
-                    self._acks.append((c.teacher, c.seq, c.key, self.commit_on_ack))
+                    self._acks.append((c.via or c.teacher, c.seq, c.key, self.commit_on_ack))
                 self._counters["acked"] += 1
                 if not self.commit_on_ack:
                     self._uncommitted += 1

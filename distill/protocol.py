@@ -179,6 +179,9 @@ class Sample:
     crc: int | None = None
     x3: int | None = None
     x3t: int | None = None  # xxh3 tree digest (`x3t_of`)
+    # Student side: the connection it came on (transport.connections > 1), where its ack goes.
+    # Empty: the teacher's first connection. Never on the wire.
+    via: str = ""
 
     @property
     def nbytes(self) -> int:

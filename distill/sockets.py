@@ -135,7 +135,9 @@ def dealer_socket(cfg: TransportConfig, name: str, endpoint: str) -> zmq.Socket:
     Raises TransportError."""
     import uuid
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    # One I/O thread per connection to a teacher: several connections (`connections`) spread
+    # CURVE's decryption over that many cores.
+    sock = io_context(cfg.connections).socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, f"{name}-{uuid.uuid4().hex[:8]}".encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)

@@ -85,7 +85,9 @@ class Subscriber:
         if self.cfg.tune_malloc:
             tune_malloc()
         for ep in self.cfg.connect:
-            self._sessions.connect(ep, dealer_socket(self.cfg, self.name, ep))
+            for lane in range(self.cfg.connections):
+                name = self.name if lane == 0 else f"{self.name}.{lane}"
+                self._sessions.connect(ep, dealer_socket(self.cfg, name, ep), lane)
         self._thread = threading.Thread(target=self._run, name="distill-subscriber", daemon=True)
         self._thread.start()
         self._started.wait()

@@ -37,6 +37,8 @@ _VERSION_ERRORS_FATAL = 10  # that many in a row from a known teacher: it was re
 class TeacherLink:
     endpoint: str
     sock: zmq.Socket
+    name: str  # the student's name in this session's HELLO (`<name>.<lane>` for lane >= 1)
+    lane: int = 0  # which of the student's `connections` to this endpoint
     tid: str | None = None
     ring: str | None = None  # the shared-memory ring of the current session
     welcomed: bool = False
@@ -80,10 +82,15 @@ class TeacherSessions:
         self._by_tid: dict[str, TeacherLink] = {}  # every tid seen -> its endpoint (kept after restarts)
         self._reject_log = RateLimitedLog(log)
 
-    def connect(self, endpoint: str, sock: zmq.Socket) -> TeacherLink:
-        t = TeacherLink(endpoint, sock)
+    def connect(self, endpoint: str, sock: zmq.Socket, lane: int = 0) -> TeacherLink:
+        t = TeacherLink(endpoint, sock, self.name if lane == 0 else f"{self.name}.{lane}", lane)
         self.links.append(t)
         return t
+
+    @staticmethod
+    def _key(t: TeacherLink, tid: str) -> str:
+        """Where acks for a sample of teacher `tid` that came on `t` go (`Sample.via`, `_by_tid`)."""
+        return tid if t.lane == 0 else f"{tid}#{t.lane}"
 
     # --- read by any thread ----------------------------------------------------------------------
 
@@ -135,9 +142,9 @@ class TeacherSessions:
             P.HELLO,
             P.encode_control(
                 P.HELLO,
-                name=self.name,
-                credit_samples=self.cfg.credit_samples,
-                credit_bytes=self.cfg.credit_bytes,
+                name=t.name,
+                credit_samples=self.cfg.connection_credit[0],
+                credit_bytes=self.cfg.connection_credit[1],
                 run=self.run_id,
             ),
         )
@@ -148,7 +155,7 @@ class TeacherSessions:
         for t in self.links:
             if not t.ended:
                 self.flush_outbox(t)
-                self.send(t, P.BYE, P.encode_control(P.BYE, name=self.name))
+                self.send(t, P.BYE, P.encode_control(P.BYE, name=t.name))
 
     def send_acks(self) -> None:
         """The consumer's acks (batched per teacher) and commits, in the order it made them."""
@@ -165,21 +172,22 @@ class TeacherSessions:
                     t.uncommitted.clear()
                     self._send_commits(t)
                 continue
-            tid, seq, key, commit = op
-            t = self._by_tid.get(tid)
+            via, seq, key, commit = op  # via: the link key (`_key`)
+            t = self._by_tid.get(via)
             if t is None:
                 continue
             if not commit:
                 t.uncommitted[key] = None
-            if t.tid == tid and t.welcomed:
-                batch[(tid, commit)].append(seq)
+            if t.tid is not None and self._key(t, t.tid) == via and t.welcomed:
+                batch[(via, commit)].append(seq)
             # else: that teacher incarnation is gone; its successor replays the sample and this
             # side acks that copy as a duplicate.
         self._flush_acks(batch)
 
     def _flush_acks(self, batch: dict[tuple[str, bool], list[int]]) -> None:
-        for (tid, commit), seqs in batch.items():
-            self.send(self._by_tid[tid], P.ACK, P.encode_control(P.ACK, tid=tid, seqs=seqs, commit=commit))
+        for (via, commit), seqs in batch.items():
+            t = self._by_tid[via]
+            self.send(t, P.ACK, P.encode_control(P.ACK, tid=t.tid, seqs=seqs, commit=commit))
 
     def _send_commits(self, t: TeacherLink) -> None:
         if not t.welcomed or not t.commit_out:
@@ -274,7 +282,7 @@ class TeacherSessions:
                 )
         if not t.welcomed and now - t.last_hello > self.cfg.heartbeat_timeout_s:
             self.hello(t)  # the teacher may have restarted or not be up yet
-        self.send(t, P.HEARTBEAT, P.encode_control(P.HEARTBEAT, name=self.name))
+        self.send(t, P.HEARTBEAT, P.encode_control(P.HEARTBEAT, name=t.name))
 
     def _on_sample(self, t: TeacherLink, h: dict, frames: list) -> None:
         if not t.welcomed:
@@ -282,6 +290,8 @@ class TeacherSessions:
         if h.get("tid") != t.tid:
             raise ProtocolError("foreign", f"sample of teacher {h.get('tid')!r}, talking to {t.tid!r}")
         s = P.decode_sample(h, frames, self._shm.resolve)
+        if t.lane:
+            s.via = self._key(t, t.tid)
         t.last_seen = time.monotonic()
         t.draining = False
         self._counters["received"] += 1
@@ -319,7 +329,7 @@ class TeacherSessions:
             self.run_id = h["run"]
         tid = h["tid"]
         t.tid = tid
-        self._by_tid[tid] = t
+        self._by_tid[self._key(t, tid)] = t
         shm_ok = False
         shm = h["shm"]
         if self.cfg.shm != "off" and shm is not None:
@@ -355,7 +365,7 @@ class TeacherSessions:
             if not t.ended:
                 # BYE tells the teacher that END arrived: it serves until every student has left.
                 self.flush_outbox(t)
-                self.send(t, P.BYE, P.encode_control(P.BYE, name=self.name))
+                self.send(t, P.BYE, P.encode_control(P.BYE, name=t.name))
             t.ended = True
             if all(x.ended for x in self.links):
                 self._deliveries.end()

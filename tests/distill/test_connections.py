@@ -1,0 +1,132 @@
+"""A student's several connections to one teacher (transport.connections): samples spread over
+them, the credit window split, acks back on the connection each sample came on, every sample
+trained once, also when one connection's session is dropped and its samples redelivered on the
+others; with CURVE on every connection."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from faults import free_port
+from waiting import wait_until
+
+from distill.config import CurveConfig, SpoolConfig, TransportConfig
+from distill.journal import Journal
+from distill.keygen import make_keys
+from distill.protocol import Sample
+from distill.transport import Publisher, Subscriber
+
+
+def _sample(i: int) -> Sample:
+    return Sample(
+        key=f"k{i:03d}",
+        tensors={"hidden_states": torch.full((256, 2, 64), float(i)), "token_ids": torch.arange(256) + i},
+        layers=[1, 2],
+    )
+
+
+def _cfgs(tmp_path, curve: bool, **student_kw) -> tuple[TransportConfig, TransportConfig]:
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    common = dict(shm="off", heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    ct = cs = None
+    if curve:
+        d = tmp_path / "keys"
+        make_keys(d, "teacher")
+        make_keys(d / "students", "good")
+        ct = CurveConfig(secret_key=str(d / "teacher.key_secret"), authorized_keys=str(d / "students"))
+        cs = CurveConfig(
+            secret_key=str(d / "students" / "good.key_secret"), server_key=str(d / "teacher.key")
+        )
+    t = TransportConfig(bind=[ep], io_threads=3, curve=ct, **common)
+    s = TransportConfig(connect=[ep], curve=cs, **common, **student_kw)
+    return t, s
+
+
+def test_the_credit_window_is_split_among_the_connections():
+    cfg = TransportConfig(
+        connect=["tcp://a:1", "tcp://b:1"], credit_samples=64, credit_bytes=1 << 30, connections=3
+    )
+    assert cfg.connection_credit == (21, (1 << 30) // 3)
+    assert cfg.credit_window == 21 * 3 * 2
+    assert TransportConfig(credit_samples=2, connections=4).connection_credit[0] == 1  # one each at least
+    with pytest.raises(ValueError):
+        TransportConfig(connections=0)
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_samples_spread_over_a_students_connections_each_trained_once(tmp_path, curve):
+    t_cfg, s_cfg = _cfgs(tmp_path, curve, connections=3, credit_samples=6)
+    journal = tmp_path / "journal.txt"
+    n = 60
+    got: collections.Counter = collections.Counter()
+    via: collections.Counter = collections.Counter()
+    with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool")), journal=str(journal)) as pub:
+        with Subscriber(s_cfg, name="s", commit_on_ack=False) as sub:
+            assert wait_until(lambda: pub.stats()["students"] == 3, 15), pub.stats()
+            assert pub.student_names() == ["s", "s.1", "s.2"]
+            for i in range(n):
+                pub.submit(_sample(i))
+            batch = []
+            while sum(got.values()) < n:
+                s = sub.get(timeout=20)
+                assert s is not None, (pub.stats(), sub.stats())
+                assert torch.equal(s.tensors["token_ids"], torch.arange(256) + int(s.key[1:]))
+                got[s.key] += 1
+                via[s.via] += 1
+                batch.append(s)
+                if len(batch) == 4:
+                    sub.ack(batch)
+                    batch = []
+            sub.ack(batch)
+            sub.commit()
+            assert wait_until(lambda: len(Journal.read(journal).committed) == n, 15), pub.stats()
+            assert sub.get(timeout=0.3) is None and not sub.finished  # nothing else came
+    assert set(got) == {f"k{i:03d}" for i in range(n)} and max(got.values()) == 1
+    assert len(via) == 3, via  # every connection carried samples (credit 2 each: none holds all)
+    assert pub.stats()["acked"] == n
+
+
+def test_a_connection_dropped_by_the_teacher_has_its_samples_redelivered_on_the_others(tmp_path):
+    """The student stops heartbeating on its second connection while it holds samples it has not
+    acked: the teacher declares that session gone and sends its samples again on the other two,
+    where the student keeps each beside the copy it holds. Once the connection speaks again it is
+    a new session. Every sample is handed to the consumer once, every one acked, and the stream
+    ends by itself (END on every connection)."""
+    t_cfg, s_cfg = _cfgs(tmp_path, False, connections=3, credit_samples=9)
+    n = 30
+    got: collections.Counter = collections.Counter()
+    pub = Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool"))).start()
+    sub = Subscriber(s_cfg, name="s").start()
+    try:
+        sessions = sub._sessions
+        keepalive = sessions.keepalive
+        muted = {"on": True}
+        sessions.keepalive = lambda t, now: None if (t.lane == 1 and muted["on"]) else keepalive(t, now)
+        for i in range(n):
+            pub.submit(_sample(i))
+        held = []
+        while len(held) < 9:  # the whole window, not acked
+            s = sub.get(timeout=20)
+            assert s is not None, pub.stats()
+            held.append(s)
+        assert any(s.via.endswith("#1") for s in held), [s.via for s in held]
+        assert wait_until(lambda: pub.stats()["redelivered"] >= 1, 15), pub.stats()
+        muted["on"] = False
+        for s in held:
+            got[s.key] += 1
+        sub.ack(held)
+        pub.close_input()
+        while True:
+            s = sub.get(timeout=30)
+            if s is None:
+                break
+            got[s.key] += 1
+            sub.ack(s)
+        assert sub.finished, (pub.stats(), sub.stats())
+        assert set(got) == {f"k{i:03d}" for i in range(n)} and max(got.values()) == 1, got
+        assert wait_until(lambda: pub.stats()["acked"] == n, 10), pub.stats()
+    finally:
+        sub.close()
+        pub.close()
