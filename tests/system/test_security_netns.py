@@ -15,6 +15,9 @@ teacher counts it in `chunked`, plain tcp sends it whole).
   student still receives both samples intact. Before it, two unauthorised students on host s (one
   with a key pair that is not in the teacher's authorized_keys, one without CURVE) get nothing in
   8 s, and the teacher counts no student and sends nothing.
+- CURVE on with two connections from the student (`transport.connections: 2`, one sample of credit
+  each, the first sample acked only once the second came): the samples travel one on each
+  connection, and neither connection is readable.
 
 Every process ends by itself (teacher 0 after END, student 0, unauthorised students 3: no teacher
 heard). Each case prints one line "CAPTURE curve=...: frames=... bytes=... marker_found=..."
@@ -70,6 +73,7 @@ def _teacher(a) -> int:
         heartbeat_interval_s=0.5,
         heartbeat_timeout_s=3,
         curve=_curve(a),
+        io_threads=2,
     )
 
     def payload(repeat: int) -> torch.Tensor:
@@ -108,9 +112,11 @@ def _student(a) -> int:
         heartbeat_timeout_s=3,
         teacher_wait_s=max(1.0, a.timeout),
         curve=_curve(a),
+        connections=a.connections,
+        credit_samples=a.connections if a.connections > 1 else 64,
     )
     want = {False: a.mark.encode() * REPEAT, True: a.mark.encode() * REPEAT_BIG}
-    got, err, finished, stats = [], None, False, {}
+    got, err, finished, stats, vias, held = [], None, False, {}, set(), []
     try:
         with Subscriber(cfg) as sub:
             deadline = time.monotonic() + a.timeout
@@ -122,12 +128,17 @@ def _student(a) -> int:
                 data = bytes(s.tensors["x"].numpy())
                 ok = data == want[s.key.endswith(BIG)] and sub.valid(s)
                 got.append({"key": s.key, "intact": ok, "nbytes": len(data)})
-                sub.ack(s)
+                vias.add(s.via)
+                held.append(s)
+                if a.connections == 1 or len(got) >= 2:  # several: hold the first until the second came
+                    sub.ack(held)
+                    held = []
             finished = sub.finished
             stats = {k: v for k, v in sub.stats().items() if isinstance(v, int)}
     except TransportError as e:  # TeacherGone too
         err = f"{type(e).__name__}: {e}"
-    print("RESULT " + json.dumps({"received": got, "finished": finished, "error": err, "stats": stats}))
+    res = {"received": got, "finished": finished, "error": err, "stats": stats, "vias": len(vias)}
+    print("RESULT " + json.dumps(res))
     return 0 if finished else 3
 
 
@@ -143,6 +154,7 @@ def _main(argv=None) -> int:
     ap.add_argument("--secret-key", default=None)
     ap.add_argument("--server-key", default=None)
     ap.add_argument("--authorized-keys", default=None)
+    ap.add_argument("--connections", type=int, default=1)
     a = ap.parse_args(argv)
     return _teacher(a) if a.role == "teacher" else _student(a)
 
@@ -167,7 +179,7 @@ def _role(procs, hosts, host: str, name: str, role: str, endpoint: str, mark: st
     return procs.start(name, cmd, env=env, prefix=hosts.prefix(host, private_shm=True))
 
 
-@pytest.mark.parametrize("curve", ["off", "on"])
+@pytest.mark.parametrize("curve", ["off", "on", "on-2-connections"])
 def test_capture_on_the_namespace_link(procs, netns_hosts, tmp_path, curve):
     from distill.keygen import make_keys
 
@@ -179,14 +191,15 @@ def test_capture_on_the_namespace_link(procs, netns_hosts, tmp_path, curve):
     endpoint = f"tcp://{hosts.addr['t']}:{port}"
     keys = tmp_path / "keys"
     t_extra, s_extra = [], []
-    if curve == "on":
+    conns = 2 if curve == "on-2-connections" else 1
+    if curve != "off":
         make_keys(keys, "teacher")
         make_keys(keys / "students", "good")
         make_keys(tmp_path / "other", "stranger")  # a valid key pair the teacher does not list
         t_extra = ["--secret-key", str(keys / "teacher.key_secret")]
         t_extra += ["--authorized-keys", str(keys / "students")]
         s_extra = ["--secret-key", str(keys / "students" / "good.key_secret")]
-        s_extra += ["--server-key", str(keys / "teacher.key")]
+        s_extra += ["--server-key", str(keys / "teacher.key"), "--connections", str(conns)]
 
     cap = Capture(procs, hosts, "s", tmp_path / "s.cap")
     teacher = _role(
@@ -242,8 +255,9 @@ def test_capture_on_the_namespace_link(procs, netns_hosts, tmp_path, curve):
         {"key": key + BIG, "intact": True, "nbytes": len(mark) * REPEAT_BIG},
     ], res
     assert res["stats"].get("shm_samples", 0) == 0, f"the samples did not travel over tcp: {res['stats']}"
+    assert res["vias"] == conns, f"the samples came on {res['vias']} of {conns} connections"
     assert st["sent"] == 2 and st["acked"] == 2, st
-    assert st["chunked"] == (1 if curve == "on" else 0), st  # CURVE: the 2 MiB tensor in 1 MiB frames
+    assert st["chunked"] == (0 if curve == "off" else 1), st  # CURVE: the 2 MiB tensor in 1 MiB frames
     ended = faults.ended_by_itself(procs)
 
     teacher_flow = cap.tcp_payload_bytes(port)
