@@ -201,7 +201,8 @@ def parse_args(argv=None):
         "--total-budget-s",
         type=int,
         default=570,
-        help="the orchestrator stops starting modes (and cuts the running one) past this",
+        help="the orchestrator cuts the running mode past this, and starts a mode only if the"
+        " time left covers the longest mode so far (60 s before the first)",
     )
     p.add_argument("--out-dir", default="/tmp/gpu_teacher", help="per-mode JSON and logs")
     p.add_argument("--seed", type=int, default=0)
@@ -1118,11 +1119,15 @@ def orchestrate(args, argv):
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    walls: list[float] = []  # wall seconds of each mode run so far
     for m in modes:
         tag = m.replace(":", "x").replace("@", "r")
         left = args.total_budget_s - (time.monotonic() - t_begin)
-        if left < 60:
-            log(f"=== mode {m} skipped: {left:.0f} s left of --total-budget-s")
+        need = max([60.0, *walls])  # a mode cut half-way gives no ratio: start only what can end
+        if left < need:
+            log(
+                f"=== mode {m} skipped: {left:.0f} s left of --total-budget-s, the longest mode took {need:.0f}"
+            )
             continue
         js, lg = os.path.join(args.out_dir, f"{tag}.json"), os.path.join(args.out_dir, f"{tag}.log")
         t0 = time.monotonic()
@@ -1168,6 +1173,7 @@ def orchestrate(args, argv):
         if rep:
             res["connector"] = rep
         res["step_wall_s"] = round(time.monotonic() - t0, 1)
+        walls.append(res["step_wall_s"])
         with open(js, "w") as f:
             json.dump(res, f, indent=1)
         brief = {
