@@ -72,7 +72,7 @@ class TransportConfig(Strict):
     # CURVE across hosts: one connection's encryption runs on one I/O thread each side (about
     # 0.8 GB/s on a 16-core GPU host), so several connections use several cores; the student gets
     # that many I/O threads, and the teacher needs `io_threads` >= students x connections. Each
-    # connection is a session at the teacher, named `<student>.<i>` for i >= 1.
+    # connection is a session at the teacher, named `<student>#<i>` for i >= 1.
     connections: int = Field(1, ge=1, le=16)
     # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),
     # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).

@@ -150,6 +150,18 @@ REJECT_REASONS = (
 )
 
 
+def lane_name(name: str, lane: int) -> str:
+    """The name a student's connection `lane` says in HELLO: its own for the first, `<name>#<lane>`
+    after (the teacher's sizing counts a student once over its connections: `student_of`)."""
+    return name if lane == 0 else f"{name}#{lane}"
+
+
+def student_of(session_name: str) -> str:
+    """The student a session's name belongs to (`lane_name` undone)."""
+    base, sep, lane = session_name.rpartition("#")
+    return base if sep and lane.isdigit() else session_name
+
+
 @dataclass
 class Sample:
     """One teacher sample: the tensors of one request plus where it came from.

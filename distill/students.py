@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distill.protocol import Sample
+from distill.protocol import Sample, student_of
 
 
 @dataclass
@@ -43,6 +43,11 @@ class Student:
         """Credit for one more sample of `nbytes` (a sample larger than the byte credit still goes
         to a student with nothing in flight)."""
         return self.ready and self.credit_samples > 0 and (self.credit_bytes >= nbytes or not self.inflight)
+
+    @property
+    def student(self) -> str:
+        """The student this session is one connection of (`transport.connections`)."""
+        return student_of(self.name)
 
     def sent(self, e: Entry) -> None:
         """`e` went out to this student: it takes credit and is in flight until acked."""
@@ -122,10 +127,11 @@ class FlowClock:
 
     flow_s            time with a student connected (CREDIT received) and samples somewhere:
                       the producer not done, or samples waiting or in flight
-    student_s         the same, summed over the connected students (mean students = student_s / flow_s)
-    student_idle_s    student-seconds a connected student had nothing in flight (it had acked
-                      everything it was sent, its credit was unused) while the producer was not
-                      done: students waiting on the teacher
+    student_s         the same, summed over the connected students (mean students = student_s / flow_s;
+                      a student's several connections, `transport.connections`, count once)
+    student_idle_s    student-seconds a connected student had nothing in flight on any of its
+                      connections (it had acked everything it was sent, its credit was unused)
+                      while the producer was not done: students waiting on the teacher
     no_credit_s       seconds with samples ready to send and no student with credit for them: the
                       teacher waiting on students
     """
@@ -154,10 +160,11 @@ class FlowClock:
             self._state = (0, 0, False)  # no student, or nothing left anywhere: no flow
             return
         if not (producing or waiting):  # the last samples are trained: nothing more would come
-            self._state = (len(studs), 0, False)
+            self._state = (len({s.student for s in studs}), 0, False)
             return
-        idle = sum(1 for s in studs if not s.inflight)
-        self._state = (len(studs), idle, waiting)
+        busy = {s.student for s in studs if s.inflight}
+        students = {s.student for s in studs}
+        self._state = (len(students), len(students - busy), waiting)
 
     def snapshot(self) -> dict:
         return {

@@ -27,7 +27,7 @@ from distill.deliveries import END_MARK, Deliveries
 from distill.errors import TransportError
 from distill.fp8 import dequantize_sample
 from distill.iothread import Wake, tune_malloc
-from distill.protocol import Sample
+from distill.protocol import Sample, lane_name
 from distill.shm import ShmReader
 from distill.sockets import dealer_socket
 from distill.teacher_sessions import TeacherSessions
@@ -86,7 +86,7 @@ class Subscriber:
             tune_malloc()
         for ep in self.cfg.connect:
             for lane in range(self.cfg.connections):
-                name = self.name if lane == 0 else f"{self.name}.{lane}"
+                name = lane_name(self.name, lane)
                 self._sessions.connect(ep, dealer_socket(self.cfg, name, ep), lane)
         self._thread = threading.Thread(target=self._run, name="distill-subscriber", daemon=True)
         self._thread.start()

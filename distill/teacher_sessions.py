@@ -37,7 +37,7 @@ _VERSION_ERRORS_FATAL = 10  # that many in a row from a known teacher: it was re
 class TeacherLink:
     endpoint: str
     sock: zmq.Socket
-    name: str  # the student's name in this session's HELLO (`<name>.<lane>` for lane >= 1)
+    name: str  # the student's name in this session's HELLO (`lane_name`)
     lane: int = 0  # which of the student's `connections` to this endpoint
     tid: str | None = None
     ring: str | None = None  # the shared-memory ring of the current session
@@ -83,7 +83,7 @@ class TeacherSessions:
         self._reject_log = RateLimitedLog(log)
 
     def connect(self, endpoint: str, sock: zmq.Socket, lane: int = 0) -> TeacherLink:
-        t = TeacherLink(endpoint, sock, self.name if lane == 0 else f"{self.name}.{lane}", lane)
+        t = TeacherLink(endpoint, sock, P.lane_name(self.name, lane), lane)
         self.links.append(t)
         return t
 

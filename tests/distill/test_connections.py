@@ -65,7 +65,7 @@ def test_samples_spread_over_a_students_connections_each_trained_once(tmp_path, 
     with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool")), journal=str(journal)) as pub:
         with Subscriber(s_cfg, name="s", commit_on_ack=False) as sub:
             assert wait_until(lambda: pub.stats()["students"] == 3, 15), pub.stats()
-            assert pub.student_names() == ["s", "s.1", "s.2"]
+            assert pub.student_names() == ["s", "s#1", "s#2"]
             for i in range(n):
                 pub.submit(_sample(i))
             batch = []
@@ -85,7 +85,10 @@ def test_samples_spread_over_a_students_connections_each_trained_once(tmp_path, 
             assert sub.get(timeout=0.3) is None and not sub.finished  # nothing else came
     assert set(got) == {f"k{i:03d}" for i in range(n)} and max(got.values()) == 1
     assert len(via) == 3, via  # every connection carried samples (credit 2 each: none holds all)
-    assert pub.stats()["acked"] == n
+    st = pub.stats()
+    assert st["acked"] == n
+    # The sizing figures count one student over its three connections (mean students = 1).
+    assert st["flow_s"] > 0 and abs(st["student_s"] / st["flow_s"] - 1) < 1e-6, st
 
 
 def test_a_connection_dropped_by_the_teacher_has_its_samples_redelivered_on_the_others(tmp_path):
