@@ -172,11 +172,17 @@ def hosts4(procs):
 def test_two_student_hosts_one_teacher_every_key_once(procs, hosts3, tmp_path, tiny_teacher):
     """One teacher host, one Accelerate job over two student hosts (tcp only, private /dev/shm),
     one checkpoint folder both nodes see (the probe finds it shared); gloo's interface is picked by
-    the student (GLOO_SOCKET_IFNAME unset)."""
+    the student (GLOO_SOCKET_IFNAME unset). Each rank opens two connections to the teacher
+    (`transport.connections: 2`): the teacher saw four sessions, two per rank."""
     keys = [f"a{i:04d}" for i in range(96)]
     data = dataset(tmp_path / "data.jsonl", keys)
     port = faults.free_port()
-    run = run_file(tmp_path, tiny_teacher, [f"tcp://{hosts3.addr['t']}:{port}"])
+    run = run_file(
+        tmp_path,
+        tiny_teacher,
+        [f"tcp://{hosts3.addr['t']}:{port}"],
+        transport={"connections": 2, "io_threads": 2},
+    )
     t0 = time.monotonic()
     teacher = start_teacher(
         procs, "teacher", hosts3, "t", tiny_teacher, data, run, "--journal", str(tmp_path / "j.txt")
@@ -190,6 +196,8 @@ def test_two_student_hosts_one_teacher_every_key_once(procs, hosts3, tmp_path, t
     report(
         "one teacher, two student hosts", tmp_path / "out" / "metrics.json", set(keys), t0, procs, exit=codes
     )
+    sessions = json.loads((tmp_path / "j.txt.summary.json").read_text())["student_sessions"]
+    assert len(sessions) == 4 and sum(s.endswith("#1") for s in sessions) == 2, sessions
     # A partial checkpoint (rank 1's files missing, as on a second node of the old layout): a resume
     # is refused on every rank with one line, before any training or teacher contact.
     ckpts = sorted((tmp_path / "out" / "checkpoints").glob("step_*"))
