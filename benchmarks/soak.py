@@ -84,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-words", type=int, default=8)
     ap.add_argument("--window", type=int, default=64, help="teacher.window")
     ap.add_argument("--credit", type=int, default=64, help="transport.credit_samples")
+    ap.add_argument("--connections", type=int, default=1, help="transport.connections of each rank")
     ap.add_argument("--batch-tokens", type=int, default=1024, help="student.max_tokens_per_batch")
     ap.add_argument("--checkpoint-every", type=int, default=50, help="student.checkpoint_every (steps)")
     ap.add_argument("--max-points", type=int, default=240, help="time-series points kept in --out")
@@ -145,6 +146,7 @@ def write_run(work: Path, teacher: Path, data: Path, port: int, args) -> Path:
             "bind": [f"tcp://127.0.0.1:{port}"],
             "connect": [f"tcp://127.0.0.1:{port}"],
             "credit_samples": args.credit,
+            "connections": args.connections,
             "connect_timeout_s": 120,
             "shm_bytes": 64 << 20,
             "max_buffer_bytes": 64 << 20,
