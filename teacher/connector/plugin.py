@@ -633,7 +633,13 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._sender is not None:
             # (the pool: buffers pinned; the block: most ranges out at once, and their bytes)
             pinned = self._pinned.peak if self._pinned is not None else 0
-            logger.info("distill: samples placed: %s; pinned staging buffers: %d", self._placed, pinned)
+            short = getattr(self._pinned, "error", None)  # pinned memory ran out (warned then)
+            logger.info(
+                "distill: samples placed: %s; pinned staging buffers: %d%s",
+                self._placed,
+                pinned,
+                f" (pinning stopped: {short})" if short is not None else "",
+            )
             if isinstance(self._pinned, PinnedBlock):
                 logger.info(
                     "distill: pinned block: %d bytes, at most %d bytes out at once",
