@@ -197,7 +197,7 @@ def run_zmq(
             p.start()
         for e in evs:
             e.wait(60)
-        while pub.stats()["students"] < n * conns:
+        while pub.stats()["sessions"] < n * conns:
             time.sleep(0.01)
         # Warm-up lap (untimed): a long-running teacher reuses warm ring pages and socket buffers.
         warm = min(count, 24)

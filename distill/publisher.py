@@ -393,7 +393,8 @@ class Publisher:
         for k in _ZERO_STATS:
             s.setdefault(k, 0)
         studs = self._students.values()
-        s["students"] = self._students.count
+        s["sessions"] = self._students.count  # connections: a student may open several
+        s["students"] = len({st.student for st in studs})
         s["uncommitted"] = sum(len(st.uncommitted) for st in studs)
         s["inflight"] = sum(len(st.inflight) for st in studs)
         s["credit_free"] = sum(max(st.credit_samples, 0) for st in studs)  # samples it may send now

@@ -12,6 +12,7 @@ them), unless commit_on_ack.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import queue
@@ -35,6 +36,16 @@ from distill.teacher_sessions import TeacherSessions
 log = logging.getLogger("distill.transport")
 
 
+_made = itertools.count()  # Subscribers made in this process
+
+
+def _default_name() -> str:
+    """host-pid, and -k for the k-th further Subscriber of this process: the teacher tells students
+    apart by name (who was lost, whom to expect, a student's several connections)."""
+    k = next(_made)
+    return f"{socket.gethostname()}-{os.getpid()}" + (f"-{k}" if k else "")
+
+
 class Subscriber:
     """Student side of the transport. See distill/API.md for the contract."""
 
@@ -48,7 +59,7 @@ class Subscriber:
         dequantize: bool = True,
     ):
         self.cfg = cfg
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.name = name or _default_name()
         self.commit_on_ack = commit_on_ack
         # fp8 samples (teacher.hidden_dtype: fp8): `get` hands back the model dtype; False keeps
         # float8 values + `hidden_scale` for a consumer that dequantizes on its GPU (the student).

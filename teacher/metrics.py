@@ -54,6 +54,10 @@ COUNTERS = {
 # Publisher.stats() key -> (metric name, help): the live phase's values (0 between phases).
 GAUGES = {
     "students": ("distill_students_connected", "Student ranks connected to the teacher"),
+    "sessions": (
+        "distill_student_sessions",
+        "Student connections to the teacher (transport.connections per rank)",
+    ),
     "inflight": ("distill_samples_in_flight", "Samples sent and not yet acked"),
     "pending": ("distill_samples_waiting", "Samples in memory waiting for a student's credit"),
     "uncommitted": ("distill_samples_uncommitted", "Samples acked by students, not yet committed"),

@@ -64,7 +64,8 @@ def test_samples_spread_over_a_students_connections_each_trained_once(tmp_path, 
     via: collections.Counter = collections.Counter()
     with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool")), journal=str(journal)) as pub:
         with Subscriber(s_cfg, name="s", commit_on_ack=False) as sub:
-            assert wait_until(lambda: pub.stats()["students"] == 3, 15), pub.stats()
+            assert wait_until(lambda: pub.stats()["sessions"] == 3, 15), pub.stats()
+            assert pub.stats()["students"] == 1
             assert pub.student_names() == ["s", "s#1", "s#2"]
             for i in range(n):
                 pub.submit(_sample(i))
