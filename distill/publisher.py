@@ -394,6 +394,7 @@ class Publisher:
             s.setdefault(k, 0)
         studs = self._students.values()
         s["sessions"] = self._students.count  # connections: a student may open several
+        s["sessions_peak"] = self._students.peak  # the most at once
         s["students"] = len({st.student for st in studs})
         s["uncommitted"] = sum(len(st.uncommitted) for st in studs)
         s["inflight"] = sum(len(st.inflight) for st in studs)

@@ -74,6 +74,7 @@ class StudentTable:
         self._by_ident: dict[bytes, Student] = {}
         self._rr = 0
         self.count = 0  # len(), readable from any thread
+        self.peak = 0  # the most sessions at once
         self.last_seen = time.monotonic()  # last time a student joined or left (connect_timeout_s)
         self.joined = 0  # sessions opened so far
 
@@ -102,6 +103,7 @@ class StudentTable:
 
     def _changed(self) -> None:
         self.count = len(self._by_ident)
+        self.peak = max(self.peak, self.count)
         self.last_seen = time.monotonic()
 
     def pick(self, nbytes: int) -> Student | None:

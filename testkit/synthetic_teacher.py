@@ -139,7 +139,6 @@ def publish(args, layers: list[int], summary: dict) -> int:
         ok = _resubmit_lost_until_done(pub, teacher, deadline, summary)
     finally:
         summary["stats"] = pub.stats()
-        summary["student_sessions"] = pub.student_names()  # connected and recently seen
         pub.close()
     summary["reason"] = "done" if ok else f"not every row committed within --timeout {args.timeout:.0f}s"
     print(
