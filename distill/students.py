@@ -38,16 +38,17 @@ class Student:
     uncommitted: dict[str, None] = field(default_factory=dict)  # acked keys no checkpoint covers yet
     drain_sent: bool = False
     end_sent: bool = False
+    # The student this session is one connection of (`transport.connections`); read on every turn
+    # of the I/O loop (FlowClock), so worked out once.
+    student: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.student = student_of(self.name)
 
     def can_take(self, nbytes: int) -> bool:
         """Credit for one more sample of `nbytes` (a sample larger than the byte credit still goes
         to a student with nothing in flight)."""
         return self.ready and self.credit_samples > 0 and (self.credit_bytes >= nbytes or not self.inflight)
-
-    @property
-    def student(self) -> str:
-        """The student this session is one connection of (`transport.connections`)."""
-        return student_of(self.name)
 
     def sent(self, e: Entry) -> None:
         """`e` went out to this student: it takes credit and is in flight until acked."""
