@@ -1,5 +1,5 @@
 """The teacher's listening socket (`router_socket`: ROUTER options, the size bound on what students
-may send, heartbeats, binding), a student's socket (`dealer_socket`: heartbeats, reconnects) and
+may send, heartbeats, binding), a student's sockets (`dealer_sockets`: heartbeats, reconnects, several connections spread over I/O threads) and
 CURVE on both (`curve_server`, `curve_client`): only students whose public keys
 are authorised get anything, and every frame is encrypted (tests/distill/test_security.py, tests/system/test_security_netns.py). Keys: distill-keygen
 (distill/keygen.py); settings: `transport.curve` (distill/config.py)."""
@@ -13,6 +13,7 @@ import zmq
 
 from distill.config import TransportConfig
 from distill.errors import TransportError
+from distill.protocol import lane_name
 
 
 def curve_server(ctx: zmq.Context, sock: zmq.Socket, curve):
@@ -130,14 +131,22 @@ def close_router(sock: zmq.Socket, cfg: TransportConfig, linger_ms: int) -> None
         _RELEASED[ep] = now
 
 
-def dealer_socket(cfg: TransportConfig, name: str, endpoint: str) -> zmq.Socket:
-    """A student's DEALER socket to one teacher endpoint, connected (CURVE client when configured).
-    Raises TransportError."""
+def _dealer_socket(
+    cfg: TransportConfig, name: str, endpoint: str, lane: int, settle_s: float
+) -> tuple[zmq.Socket, bool]:
+    """A student's DEALER socket to one teacher endpoint, connected (CURVE client when configured);
+    `lane`: which of the student's `connections` to that endpoint it is. With `settle_s` > 0 it
+    waits that long at most for the connection's handshake to finish. Returns (socket, whether the
+    handshake finished). Raises TransportError."""
     import uuid
 
     # One I/O thread per connection to a teacher: several connections (`connections`) spread
-    # CURVE's decryption over that many cores.
+    # CURVE's decryption over that many cores. ZeroMQ would put a new connection on the least
+    # loaded I/O thread, but connections made back to back all find every thread idle and share
+    # the first one: the affinity pins connection `lane` to I/O thread `lane`.
     sock = io_context(cfg.connections).socket(zmq.DEALER)
+    if cfg.connections > 1:
+        sock.setsockopt(zmq.AFFINITY, 1 << (lane % cfg.connections))
     sock.setsockopt(zmq.ROUTING_ID, f"{name}-{uuid.uuid4().hex[:8]}".encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -166,12 +175,51 @@ def dealer_socket(cfg: TransportConfig, name: str, endpoint: str) -> zmq.Socket:
         except (OSError, ValueError) as e:
             sock.close(0)
             raise TransportError(f"transport.curve: {e}") from None
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if settle_s > 0 else None
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
         sock.close(0)
         raise TransportError(f"cannot connect to teacher endpoint {endpoint!r}: {e}") from None
-    return sock
+    settled = False
+    if monitor is not None:
+        settled = bool(monitor.poll(int(settle_s * 1000)))
+        sock.disable_monitor()
+        monitor.close(0)
+    return sock, settled
+
+
+# How long a student waits for one of its connections to a teacher to finish its handshake
+# before it opens the next (several `connections` only).
+SETTLE_S = 1.0
+
+
+def dealer_sockets(cfg: TransportConfig, name: str, endpoint: str) -> list[zmq.Socket]:
+    """The student's `cfg.connections` DEALER sockets to one teacher endpoint, connection `lane`
+    named `lane_name(name, lane)`. Raises TransportError.
+
+    With several, each waits (at most SETTLE_S) for the one before it to finish its handshake:
+    the teacher's ROUTER puts an accepted connection on its least loaded I/O thread, and
+    connections accepted back to back all find the same thread least loaded (its load counts a
+    connection only once that thread has taken it up), so CURVE would encrypt them all on one core.
+    A teacher not listening yet ends the waiting (the rest connect at once)."""
+    socks: list[zmq.Socket] = []
+    settle_s = SETTLE_S if cfg.connections > 1 else 0.0
+    try:
+        for lane in range(cfg.connections):
+            wait_s = settle_s if lane < cfg.connections - 1 else 0.0
+            sock, settled = _dealer_socket(cfg, lane_name(name, lane), endpoint, lane, wait_s)
+            socks.append(sock)
+            if wait_s and not settled:
+                settle_s = 0.0
+    except TransportError:
+        for sock in socks:
+            sock.close(0)
+        raise
+    return socks
 
 
 def curve_client(sock: zmq.Socket, curve) -> None:

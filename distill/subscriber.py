@@ -28,9 +28,9 @@ from distill.deliveries import END_MARK, Deliveries
 from distill.errors import TransportError
 from distill.fp8 import dequantize_sample
 from distill.iothread import Wake, tune_malloc
-from distill.protocol import Sample, lane_name
+from distill.protocol import Sample
 from distill.shm import ShmReader
-from distill.sockets import dealer_socket
+from distill.sockets import dealer_sockets
 from distill.teacher_sessions import TeacherSessions
 
 log = logging.getLogger("distill.transport")
@@ -96,9 +96,8 @@ class Subscriber:
         if self.cfg.tune_malloc:
             tune_malloc()
         for ep in self.cfg.connect:
-            for lane in range(self.cfg.connections):
-                name = lane_name(self.name, lane)
-                self._sessions.connect(ep, dealer_socket(self.cfg, name, ep), lane)
+            for lane, sock in enumerate(dealer_sockets(self.cfg, self.name, ep)):
+                self._sessions.connect(ep, sock, lane)
         self._thread = threading.Thread(target=self._run, name="distill-subscriber", daemon=True)
         self._thread.start()
         self._started.wait()

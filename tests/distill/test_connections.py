@@ -6,6 +6,12 @@ others; with CURVE on every connection."""
 from __future__ import annotations
 
 import collections
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +23,8 @@ from distill.journal import Journal
 from distill.keygen import make_keys
 from distill.protocol import Sample
 from distill.transport import Publisher, Subscriber
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sample(i: int) -> Sample:
@@ -134,3 +142,80 @@ def test_a_connection_dropped_by_the_teacher_has_its_samples_redelivered_on_the_
     finally:
         sub.close()
         pub.close()
+
+
+_STUDENT = """
+import json, os, sys
+
+from distill.config import CurveConfig, TransportConfig
+from distill.transport import Subscriber
+
+ep, keys, n, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+curve = CurveConfig(secret_key=keys + "/students/good.key_secret", server_key=keys + "/teacher.key")
+cfg = TransportConfig(connect=[ep], curve=curve, shm="off", connections=2, credit_samples=4)
+with Subscriber(cfg, name="s", commit_on_ack=False) as sub:
+    got = 0
+    while got < n:
+        s = sub.get(timeout=60)
+        assert s is not None, sub.stats()
+        sub.ack([s])
+        got += 1
+    sub.commit()
+    with open(out, "w") as f:
+        json.dump(_io_ticks(), f)
+"""
+
+
+def _io_ticks(pid: int | str = "self") -> dict[str, int]:
+    """CPU ticks (user + system) of each of the process's ZeroMQ I/O threads, by thread id."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        if comm.startswith("ZMQbg/IO"):
+            out[tid] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def _spread(ticks: dict[str, int]) -> list[int]:
+    """The busy threads' ticks, busiest first."""
+    return sorted((t for t in ticks.values() if t > 0), reverse=True)
+
+
+def test_a_students_curve_connections_are_encrypted_on_different_io_threads_at_both_ends(tmp_path):
+    """Two CURVE connections of one student: the student's two I/O threads each decrypt, and the
+    teacher's two each encrypt (connections made back to back would share one thread each side,
+    and CURVE would run on one core however many connections there are)."""
+    t_cfg, _ = _cfgs(tmp_path, True)
+    t_cfg = t_cfg.model_copy(update={"io_threads": 2})
+    ep = t_cfg.bind[0]
+    n, out = 48, tmp_path / "student_ticks.json"
+    script = tmp_path / "student.py"
+    script.write_text(inspect.getsource(_io_ticks) + _STUDENT)
+    big = {"hidden_states": torch.ones((1024, 4, 1024)), "token_ids": torch.arange(1024)}  # 16 MiB
+    with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:
+        before = _io_ticks()
+        child = subprocess.Popen(
+            [sys.executable, str(script), ep, str(tmp_path / "keys"), str(n), str(out)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        try:
+            assert wait_until(lambda: pub.stats()["sessions"] == 2, 30), pub.stats()
+            for i in range(n):
+                pub.submit(Sample(key=f"k{i:03d}", tensors=big, layers=[1, 2, 3, 4]))
+            assert child.wait(timeout=120) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        after = _io_ticks()
+        assert pub.stats()["acked"] == n
+    teacher = _spread({t: after.get(t, 0) - before.get(t, 0) for t in after})
+    student = _spread(json.loads(out.read_text()))
+    for side, ticks in (("teacher", teacher), ("student", student)):
+        assert len(ticks) >= 2 and ticks[1] >= 0.2 * ticks[0], (side, teacher, student)
