@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import inspect
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -219,3 +220,23 @@ def test_a_students_curve_connections_are_encrypted_on_different_io_threads_at_b
     student = _spread(json.loads(out.read_text()))
     for side, ticks in (("teacher", teacher), ("student", student)):
         assert len(ticks) >= 2 and ticks[1] >= 0.2 * ticks[0], (side, teacher, student)
+
+
+def test_the_teacher_says_once_when_curve_sessions_outnumber_its_io_threads(tmp_path, caplog):
+    t_cfg, s_cfg = _cfgs(tmp_path, True, connections=3)
+    t_cfg = t_cfg.model_copy(update={"io_threads": 1})
+    caplog.set_level(logging.INFO, logger="distill")
+    hint = "share transport.io_threads=1 with CURVE on"
+    with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:
+        with Subscriber(s_cfg, name="s", commit_on_ack=False):
+            assert wait_until(lambda: pub.stats()["sessions"] == 3, 15), pub.stats()
+            assert wait_until(lambda: hint in caplog.text, 5), caplog.text[-2000:]
+    assert caplog.text.count(hint) == 1, caplog.text[-2000:]
+    # Enough I/O threads (or no CURVE): no hint.
+    caplog.clear()
+    t_cfg, s_cfg = _cfgs(tmp_path / "b", True, connections=2)  # io_threads 3
+    with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool2"))) as pub:
+        with Subscriber(s_cfg, name="s", commit_on_ack=False):
+            assert wait_until(lambda: pub.stats()["sessions"] == 2, 15), pub.stats()
+            assert wait_until(lambda: "student s#1 connected" in caplog.text, 5), caplog.text[-2000:]
+    assert "with CURVE on" not in caplog.text
