@@ -1,7 +1,8 @@
 """The teacher's listening socket (`router_socket`: ROUTER options, the size bound on what students
-may send, heartbeats, binding), a student's sockets (`dealer_sockets`: heartbeats, reconnects, several connections spread over I/O threads) and
-CURVE on both (`curve_server`, `curve_client`): only students whose public keys
-are authorised get anything, and every frame is encrypted (tests/distill/test_security.py, tests/system/test_security_netns.py). Keys: distill-keygen
+may send, heartbeats, binding), a student's sockets (`dealer_sockets`: heartbeats, reconnects,
+several connections on several I/O threads) and CURVE on both (`curve_server`, `curve_client`):
+only students whose public keys are authorised get anything, and every frame is encrypted
+(tests/distill/test_security.py, tests/system/test_security_netns.py). Keys: distill-keygen
 (distill/keygen.py); settings: `transport.curve` (distill/config.py)."""
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def _dealer_socket(
     # the first one: the affinity pins connection `lane` to I/O thread `lane`.
     sock = io_context(cfg.connections).socket(zmq.DEALER)
     if cfg.connections > 1:
-        sock.setsockopt(zmq.AFFINITY, 1 << (lane % cfg.connections))
+        sock.setsockopt(zmq.AFFINITY, 1 << lane)  # lane < connections = the context's I/O threads
     sock.setsockopt(zmq.ROUTING_ID, f"{name}-{uuid.uuid4().hex[:8]}".encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)

@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from distill.config import CurveConfig, SpoolConfig, TransportConfig
 from distill.journal import Journal
 from distill.keygen import make_keys
 from distill.protocol import Sample
+from distill.sockets import SETTLE_S
 from distill.transport import Publisher, Subscriber
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,3 +242,26 @@ def test_the_teacher_says_once_when_curve_sessions_outnumber_its_io_threads(tmp_
             assert wait_until(lambda: pub.stats()["sessions"] == 2, 15), pub.stats()
             assert wait_until(lambda: "student s#1 connected" in caplog.text, 5), caplog.text[-2000:]
     assert "with CURVE on" not in caplog.text
+
+
+def test_a_student_started_before_its_teacher_waits_once_and_every_connection_finds_it(tmp_path):
+    """Nobody listening: the first connection's handshake wait ends the waiting (start takes about
+    SETTLE_S, not one wait per connection); once the teacher binds, every connection reaches it and
+    each sample arrives once."""
+    t_cfg, s_cfg = _cfgs(tmp_path, True, connections=4, credit_samples=8)
+    t0 = time.monotonic()
+    with Subscriber(s_cfg, name="s", commit_on_ack=False) as sub:
+        started_s = time.monotonic() - t0
+        assert started_s < SETTLE_S + 1.0, started_s
+        with Publisher(t_cfg, SpoolConfig(dir=str(tmp_path / "spool"))) as pub:
+            assert wait_until(lambda: pub.stats()["sessions"] == 4, 20), pub.stats()
+            for i in range(20):
+                pub.submit(_sample(i))
+            got = collections.Counter()
+            while sum(got.values()) < 20:
+                s = sub.get(timeout=20)
+                assert s is not None, (pub.stats(), sub.stats())
+                got[s.key] += 1
+                sub.ack([s])
+            assert wait_until(lambda: pub.stats()["acked"] == 20, 15), pub.stats()
+    assert set(got) == {f"k{i:03d}" for i in range(20)} and max(got.values()) == 1
