@@ -17,6 +17,9 @@ Paths (every student touches one byte per 4 KiB page of each sample, then acknow
           safetensors to /dev/shm, releases; the reader takes a shared flock, loads, deletes
   socket  a bare TCP socket per student (length-prefixed, sendall / recv_into), one sender thread each
   memcpy  one in-process copy of the same bytes (the ceiling)
+  cipher  libsodium's crypto_box_easy_afternm (XSalsa20-Poly1305, the cipher ZeroMQ's CURVE runs on
+          every message) over the same bytes on one core, through the libsodium pyzmq ships: the
+          ceiling of one CURVE connection, whose messages one I/O thread encrypts in turn
 
 Samples: 8 MiB and 32 MiB bf16, --total-mb of each size per path and repeat. Prints GB/s per path
 and size (median over repeats) and the ratios; for the ZeroMQ paths also the cores each side kept
@@ -314,6 +317,40 @@ def run_memcpy(pool, count: int) -> float:
     return time.perf_counter() - t0
 
 
+def _libsodium():
+    import ctypes
+    import ctypes.util
+
+    import zmq
+
+    libs = Path(zmq.__file__).resolve().parent.parent / "pyzmq.libs"
+    found = sorted(libs.glob("libsodium*")) if libs.is_dir() else []
+    name = str(found[0]) if found else ctypes.util.find_library("sodium")
+    if not name:
+        raise RuntimeError("no libsodium found (neither pyzmq's bundled copy nor a system one)")
+    lib = ctypes.CDLL(name)
+    if lib.sodium_init() < 0:
+        raise RuntimeError(f"sodium_init failed in {name}")
+    return lib
+
+
+def run_cipher(pool, count: int) -> float:
+    import ctypes
+
+    lib = _libsodium()
+    nbytes = pool[0].numel() * pool[0].element_size()
+    out = ctypes.create_string_buffer(nbytes + 16)  # ciphertext + the 16-byte Poly1305 tag
+    key, nonce = ctypes.create_string_buffer(32), ctypes.create_string_buffer(24)
+    box = lib.crypto_box_easy_afternm
+    box.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p]
+    box(out, pool[0].data_ptr(), nbytes, nonce, key)  # warm
+    t0 = time.perf_counter()
+    for i in range(count):
+        if box(out, pool[i % len(pool)].data_ptr(), nbytes, nonce, key) != 0:
+            raise RuntimeError("crypto_box_easy_afternm failed")
+    return time.perf_counter() - t0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -354,6 +391,7 @@ def main() -> None:
         "file": lambda pool, count: run_file(pool, count, ctx),
         "socket": lambda pool, count: run_socket(pool, count, ctx),
         "memcpy": lambda pool, count: run_memcpy(pool, count),
+        "cipher": lambda pool, count: run_cipher(pool, count),
     }
     for size in [int(x) for x in args.sizes.split(",")]:
         pool = make_pool(size)
@@ -391,6 +429,8 @@ def main() -> None:
             ("curvec2", "tcp"),
             ("curvec4", "tcp"),
             ("tcpc", "tcp"),
+            ("curve", "cipher"),
+            ("cipher", "tcp"),
         ):
             if a in gbs and b in gbs:
                 ratios[f"{a}_over_{b}"] = results[f"ratio_{a}_over_{b}_{size}mib"] = round(gbs[a] / gbs[b], 3)
@@ -416,6 +456,8 @@ def main() -> None:
         "curvec2_over_tcp",
         "curvec4_over_tcp",
         "tcpc_over_tcp",
+        "curve_over_cipher",
+        "cipher_over_tcp",
     ):
         vals = [v for k, v in results.items() if k.startswith(f"ratio_{key}_")]
         if vals:
