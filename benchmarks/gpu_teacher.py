@@ -27,13 +27,12 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Cp, C8p, Dp   as C, C8, D with ``pinned_buffers: 64`` (the default, given explicitly)
     Ch, C8h, Dh   as C, C8, D with ``pinned_buffers: 32`` (half the default)
     Ck, C8k, Dk   as C, C8, D with ``copy_threads: 8`` (twice the default)
-    Cb, C8b, Db   as C, C8, D with ``pinned_background: true`` (new pinned buffers made off the
-         engine thread)
-    Cg, C8g, Dg   as C, C8, D with ``pinned_bytes`` 4 GiB (one block pinned while the engine
-         starts, each sample's copy a range of its size out of it)
-    Co, C8o, Do   as C, C8, D with ``pinned_bytes: 0`` given explicitly (the default: the growing
-         pool of ``pinned_buffers`` buffers, each pinned on the engine thread when no idle one is
-         large enough)
+    Cb, C8b, Db   as Co, C8o, Do with ``pinned_background: true`` (the pool's new pinned buffers
+         made off the engine thread)
+    Cg, C8g, Dg   as C, C8, D with ``pinned_bytes`` 4 GiB given explicitly (the default: one block
+         pinned while the engine starts, each sample's copy a range of its size out of it)
+    Co, C8o, Do   as C, C8, D with ``pinned_bytes: 0`` (the growing pool of ``pinned_buffers``
+         buffers, each pinned on the engine thread when no idle one is large enough)
     Dc, D8c  as D, and D with C8's layers, with ``transport.chunk_bytes`` 1 MiB (tensors in 1 MiB
          frames, joined by the receiver: the default with CURVE)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
@@ -137,9 +136,9 @@ _KNOBS = (
     ("p", {"pinned_buffers": 64}),
     ("h", {"pinned_buffers": 32}),
     ("k", {"copy_threads": 8}),
-    ("b", {"pinned_background": True}),  # new pinned buffers made off the engine thread
-    ("g", {"pinned_bytes": 4 << 30}),  # one 4 GiB block pinned at engine start, handed out in ranges
-    ("o", {"pinned_bytes": 0}),  # the growing pool (the default), given explicitly
+    ("b", {"pinned_bytes": 0, "pinned_background": True}),  # the pool, new buffers made off the engine thread
+    ("g", {"pinned_bytes": 4 << 30}),  # one 4 GiB block pinned at engine start (the default), explicitly
+    ("o", {"pinned_bytes": 0}),  # the growing pool instead of the block
 )
 for _n, _extra in _KNOBS:  # the sender's knobs
     for _m in ("C", "C8", "D"):

@@ -65,9 +65,10 @@ class ConnectorTuning(Strict):
     # serves; each copy takes a range of its sample's size out of it (first fit, at most
     # pinned_buffers at once), given back once copied out. 0: the pool above, which pins a buffer
     # (the sample rounded up to a power of two) on the engine thread whenever none idle is large
-    # enough. At least staging_bytes when set. Off until measured on a GPU side by side
-    # (benchmarks/gpu_teacher.py modes Cg, C8g, Dg: 4 GiB).
-    pinned_bytes: int = Field(0, ge=0)
+    # enough. At least staging_bytes when set; left at its default it grows to staging_bytes when
+    # that is larger. Measured side by side with the pool on an H100 (benchmarks/gpu_teacher.py
+    # modes C, C8, D against Co, C8o, Do): at 8 layers the pool pinned 8 GiB on the engine thread.
+    pinned_bytes: int = Field(4 * 1024 * 1024 * 1024, ge=0)
     # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.
@@ -97,6 +98,8 @@ class ConnectorTuning(Strict):
 
     @model_validator(mode="after")
     def _pinned_block(self) -> ConnectorTuning:
+        if "pinned_bytes" not in self.model_fields_set and self.pinned_bytes < self.staging_bytes:
+            self.pinned_bytes = self.staging_bytes  # the default block holds one staged sample
         if self.pinned_bytes and self.pinned_bytes < self.staging_bytes:
             raise ValueError(
                 f"pinned_bytes ({self.pinned_bytes}) must be 0 or at least staging_bytes "

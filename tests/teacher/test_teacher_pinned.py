@@ -420,3 +420,20 @@ def test_pinned_bytes_below_staging_bytes_is_refused_in_one_line(tmp_path, capsy
     lines = [x for x in err.splitlines() if x.startswith("distill-teacher: error: ")]
     assert len(lines) == 1 and "pinned_bytes (1048576) must be 0 or at least staging_bytes" in lines[0], err
     assert "Traceback" not in err
+
+
+def test_the_default_block_is_4_gib_and_grows_to_hold_one_staged_sample():
+    from teacher.config import ConnectorConfig, load_teacher_config
+
+    assert ConnectorConfig.from_extra({}).pinned_bytes == 4 << 30
+    # left at its default, the block holds one staged sample whatever staging_bytes is
+    assert ConnectorConfig.from_extra({"staging_bytes": 6 << 30}).pinned_bytes == 6 << 30
+    assert ConnectorConfig.from_extra({"pinned_bytes": 0}).pinned_bytes == 0  # the pool, asked for
+    teacher = load_teacher_config(
+        {"model": "m", "layer_ids": [1], "dataset": "d.jsonl", "staging_bytes": 6 << 30}
+    )
+    tuning = teacher.connector_tuning()
+    assert tuning["pinned_bytes"] == 6 << 30
+    assert ConnectorConfig.from_extra(tuning).pinned_bytes == 6 << 30  # what the connector is handed
+    off = load_teacher_config({"model": "m", "layer_ids": [1], "dataset": "d.jsonl", "pinned_bytes": 0})
+    assert ConnectorConfig.from_extra(off.connector_tuning()).pinned_bytes == 0
