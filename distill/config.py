@@ -71,9 +71,9 @@ class TransportConfig(Strict):
     # the credit window above is split among them (the student holds no more than with one). For
     # CURVE across hosts: one connection's encryption runs on one I/O thread each side (about
     # 1.2 GB/s on a 16-core GPU host, 3.2 GB/s with 4 connections), so several connections use
-    # several cores; the student gets
-    # that many I/O threads, and the teacher needs `io_threads` >= students x connections. Each
-    # connection is a session at the teacher, named `<student>#<i>` for i >= 1.
+    # several cores; the student gets that many I/O threads, and the teacher needs `io_threads` >=
+    # students x connections. Each connection is a session at the teacher, named `<student>#<i>`
+    # for i >= 1.
     connections: int = Field(1, ge=1, le=16)
     # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),
     # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).
