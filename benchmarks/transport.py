@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -56,6 +57,21 @@ from distill.transport import Publisher, Subscriber  # noqa: E402
 
 MiB = 1 << 20
 PAGE = 4096
+# (path, path it is measured against) for each ratio reported, per size and overall (the least)
+RATIOS = (
+    ("shm", "file"),
+    ("shm", "memcpy"),
+    ("tcp", "socket"),
+    ("curve", "tcp"),
+    ("curvew", "tcp"),
+    ("curve2", "tcp"),
+    ("curve4", "tcp"),
+    ("curvec2", "tcp"),
+    ("curvec4", "tcp"),
+    ("tcpc", "tcp"),
+    ("curve", "cipher"),
+    ("cipher", "tcp"),
+)
 CORES: list[tuple[float, float]] = []  # (teacher, students) cores busy of each ZeroMQ run, in order
 
 
@@ -317,6 +333,7 @@ def run_memcpy(pool, count: int) -> float:
     return time.perf_counter() - t0
 
 
+@functools.cache
 def _libsodium():
     import ctypes
     import ctypes.util
@@ -418,20 +435,7 @@ def main() -> None:
                     "students": round(statistics.median(c[1] for c in cores[p]), 2),
                 }
         ratios = {}
-        for a, b in (
-            ("shm", "file"),
-            ("shm", "memcpy"),
-            ("tcp", "socket"),
-            ("curve", "tcp"),
-            ("curvew", "tcp"),
-            ("curve2", "tcp"),
-            ("curve4", "tcp"),
-            ("curvec2", "tcp"),
-            ("curvec4", "tcp"),
-            ("tcpc", "tcp"),
-            ("curve", "cipher"),
-            ("cipher", "tcp"),
-        ):
+        for a, b in RATIOS:
             if a in gbs and b in gbs:
                 ratios[f"{a}_over_{b}"] = results[f"ratio_{a}_over_{b}_{size}mib"] = round(gbs[a] / gbs[b], 3)
         results[f"samples_{size}mib"] = count
@@ -445,20 +449,7 @@ def main() -> None:
             )
             print(f"  {p:7s} {gbs[p]:7.2f} GB/s{cores_note}")
         print("  " + "   ".join(f"{k.replace('_over_', '/')} {v:.2f}" for k, v in ratios.items()))
-    for key in (
-        "shm_over_file",
-        "shm_over_memcpy",
-        "tcp_over_socket",
-        "curve_over_tcp",
-        "curvew_over_tcp",
-        "curve2_over_tcp",
-        "curve4_over_tcp",
-        "curvec2_over_tcp",
-        "curvec4_over_tcp",
-        "tcpc_over_tcp",
-        "curve_over_cipher",
-        "cipher_over_tcp",
-    ):
+    for key in (f"{a}_over_{b}" for a, b in RATIOS):
         vals = [v for k, v in results.items() if k.startswith(f"ratio_{key}_")]
         if vals:
             results[f"ratio_{key}"] = min(vals)
