@@ -109,18 +109,24 @@ class StudentConfig(Strict):
     loss_on: Literal["all", "masked"] = "all"
 
     # --- batching ---
-    # Padded tokens per micro-batch per rank (batch size x longest sample); a longer sample goes alone.
+    # packed: a micro-batch's samples one after another in one row, no padding; each sample keeps
+    # its own positions and attends to itself only (variable-length FlashAttention on a GPU in
+    # bf16/fp16, SDPA per sample otherwise: student/packing.py). padded: a sample per row, padded
+    # on the right to the longest. The eagle3 recipe trains padded rows only (its default).
+    batch_layout: Literal["packed", "padded"] = "packed"
+    # Tokens per micro-batch per rank: packed, the samples' tokens; padded, batch size x longest
+    # sample. A longer sample goes alone.
     max_tokens_per_batch: int = Field(4096, gt=0)
     # Optional cap on samples per micro-batch.
     max_samples_per_batch: int | None = Field(None, gt=0)
-    # Samples held to group by length: each micro-batch is the oldest held sample plus the held
-    # samples closest to it in length (less padding). 0 or 1: batches in arrival order. In stream
-    # mode at most half the credit window (transport.credit_samples x teachers).
+    # padded only: samples held to group by length: each micro-batch is the oldest held sample plus
+    # the held samples closest to it in length (less padding). 0 or 1: batches in arrival order. In
+    # stream mode at most half the credit window (transport.credit_samples x teachers).
     length_window: int = Field(32, ge=0)
     # A partial batch is trained once no sample arrived for this long (stream mode).
     idle_flush_s: float = Field(1.0, gt=0)
-    # Pad each micro-batch's length up to a multiple of this (fewer distinct shapes for kernels
-    # that plan per shape). None: 64 with cudnn_attention on a GPU, else 1 (no rounding).
+    # padded only: pad each micro-batch's length up to a multiple of this (fewer distinct shapes
+    # for kernels that plan per shape). None: 64 with cudnn_attention on a GPU, else 1 (no rounding).
     pad_to_multiple_of: int | None = Field(None, gt=0)
     # Threads that copy a micro-batch's teacher rows into the packed host batch, a sample each, once
     # the rows come to 8 MiB (smaller batches: the loop's own thread). 1: the loop's thread only
@@ -226,6 +232,13 @@ def _eagle3_rules(cfg: StudentConfig) -> None:
         cfg.eagle3 = Eagle3Config()
     if "loss_on" not in cfg.model_fields_set:
         cfg.loss_on = "masked"  # a draft learns the responses (EAGLE-3 trainers do the same)
+    if "batch_layout" not in cfg.model_fields_set:
+        cfg.batch_layout = "padded"
+    elif cfg.batch_layout == "packed":
+        raise ValueError(
+            "recipe eagle3 trains padded rows (its steps read each row's next positions): set "
+            "batch_layout: padded or leave it out"
+        )
 
 
 # The config rules of each recipe named in `StudentConfig.recipe` (what it builds and trains:

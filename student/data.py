@@ -21,6 +21,7 @@ import torch
 from distill import fp8
 from distill.protocol import Sample
 from student.errors import StudentError as StudentError
+from student.packing import Segments
 
 
 @dataclass
@@ -37,6 +38,11 @@ class Batch:
             target device, so padding never costs host memory traffic or copy bandwidth.
         layer_ids: teacher layer ids of `teacher`'s layer dimension.
         lengths: real tokens per row when `teacher` is packed; None when it is padded.
+        segments: the packed layout (`student.batch_layout: packed`, `collate(pack=True)`): every
+            sample one after another in one row, input_ids and mask [1, N] with no padding,
+            `segments` their lengths in row order; `to` adds `packing` (student/packing.py: each
+            sample's positions, its offsets for variable-length attention, its last token). None:
+            one sample per row, right padding.
         loss_mask: [B, T] bool, the teacher's per-token loss mask (`Sample` tensor `loss_mask`):
             True on tokens to train on (`student.loss_on: masked`), False on padding; all True on
             the real tokens of a sample that has none (older teachers and spool files).
@@ -59,6 +65,14 @@ class Batch:
     held: torch.Tensor | None = None  # None: the teacher's states on every real token
     scale: torch.Tensor | None = None  # fp8 `teacher`: its float32 scales (dequantized by `to`)
     out_dtype: torch.dtype | None = None  # fp8 `teacher`: the dtype `to` dequantizes into
+    segments: list[int] | None = None  # packed layout: the samples' lengths along the one row
+    packing: Segments | None = None  # packed layout, on the device (`to`): positions, offsets, ends
+
+    @property
+    def ends(self) -> torch.Tensor | None:
+        """[1, N] bool, True on each sample's last token of a packed row (device batches); None:
+        right-padded rows, where a row's last real token ends its sample."""
+        return self.packing.ends if self.packing is not None else None
 
     @property
     def padded(self) -> bool:
@@ -96,7 +110,19 @@ class Batch:
                 teacher = teacher.view(b, t, *rest)
         lm = self.loss_mask.to(device, non_blocking=non_blocking) if self.loss_mask is not None else None
         held = self.held.to(device, non_blocking=non_blocking) if self.held is not None else None
-        return Batch(ids, mask, teacher, self.layer_ids, loss_mask=lm, held=held)
+        packing = self.packing
+        if self.segments is not None and (packing is None or packing.ends.device != device):
+            packing = Segments.build(self.segments, device, pin=non_blocking and self.input_ids.is_pinned())
+        return Batch(
+            ids,
+            mask,
+            teacher,
+            self.layer_ids,
+            loss_mask=lm,
+            held=held,
+            segments=self.segments,
+            packing=packing,
+        )
 
     def _upload(self, teacher: torch.Tensor, device, non_blocking: bool) -> torch.Tensor:
         """`teacher` on `device`; fp8 values are dequantized there with their scales."""
@@ -227,6 +253,7 @@ def collate(
     pin_memory: bool = False,
     pad_to_multiple_of: int = 1,
     threads: int = 1,
+    pack: bool = False,
 ) -> Batch:
     """Copy `samples` into one packed Batch: token ids and mask padded on the right to T (the
     longest sample, rounded up to `pad_to_multiple_of`), the selected teacher layers packed
@@ -234,6 +261,8 @@ def collate(
     upcast, no zero-filled padding on the host). `pin_memory`: page-locked, for an asynchronous copy
     to a GPU (`Batch.to`). `threads`: the teacher rows of a batch of at least
     PARALLEL_COLLATE_BYTES are copied by that many threads, a sample each (`student.collate_threads`).
+    `pack`: the packed layout instead (`Batch.segments`): token ids and mask [1, N], the samples one
+    after another, no padding (`pad_to_multiple_of` is not used).
     The result owns its memory: the samples' views may die after this."""
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -242,8 +271,8 @@ def collate(
         samples = [fp8.dequantize_sample(s) for s in samples]
         quantized = [False]
     if quantized[0]:
-        return _collate_fp8(samples, layer_ids, pin_memory, pad_to_multiple_of, threads)
-    return collate_values(samples, layer_ids, pin_memory, pad_to_multiple_of, threads)
+        return _collate_fp8(samples, layer_ids, pin_memory, pad_to_multiple_of, threads, pack)
+    return collate_values(samples, layer_ids, pin_memory, pad_to_multiple_of, threads, pack)
 
 
 def collate_values(
@@ -252,37 +281,43 @@ def collate_values(
     pin_memory: bool = False,
     pad_to_multiple_of: int = 1,
     threads: int = 1,
+    pack: bool = False,
 ) -> Batch:
     """`collate` without the fp8 handling: the teacher rows copied in the dtype they have."""
     lengths = [s.num_tokens for s in samples]
     t_max = padded_length(max(lengths), pad_to_multiple_of)
+    shape = (1, sum(lengths)) if pack else (len(samples), t_max)
     first = samples[0].tensors["hidden_states"]
     hidden, dtype = first.shape[-1], first.dtype
-    input_ids = torch.zeros(len(samples), t_max, dtype=torch.long)
-    mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
-    loss_mask = torch.zeros(len(samples), t_max, dtype=torch.bool)
+    input_ids = torch.zeros(shape, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    loss_mask = torch.zeros(shape, dtype=torch.bool)
     partial = any(s.positions is not None for s in samples)
-    held = torch.zeros(len(samples), t_max, dtype=torch.bool) if partial else None
+    held = torch.zeros(shape, dtype=torch.bool) if partial else None
+    # one flat view each: a sample's tokens start at `off` (packed) or at its row (padded)
+    ids_f, mask_f, lm_f = input_ids.view(-1), mask.view(-1), loss_mask.view(-1)
+    held_f = held.view(-1) if held is not None else None
     teacher = torch.empty(sum(lengths), len(layer_ids), hidden, dtype=dtype, pin_memory=pin_memory)
     copies: list[Callable[[], object]] = []  # the teacher rows, a sample each (disjoint ranges)
     off = 0
     for b, s in enumerate(samples):
         n = lengths[b]
+        at0 = off if pack else b * t_max
         hs = s.tensors["hidden_states"]
         pos = layer_index(s, layer_ids)
-        input_ids[b, :n] = s.tensors["token_ids"]  # copies
-        mask[b, :n] = True
+        ids_f[at0 : at0 + n] = s.tensors["token_ids"]  # copies
+        mask_f[at0 : at0 + n] = True
         lm = s.tensors.get("loss_mask")
-        loss_mask[b, :n] = True if lm is None else lm.bool()  # (shape checked by check_sample)
+        lm_f[at0 : at0 + n] = True if lm is None else lm.bool()  # (shape checked by check_sample)
         at = s.positions
         dst = teacher[off : off + n]
         if at is None:
             copies.append(lambda dst=dst, hs=hs, pos=pos: copy_layers(dst, hs, pos))
-            if held is not None:
-                held[b, :n] = True
+            if held_f is not None:
+                held_f[at0 : at0 + n] = True
         else:  # some positions only: their rows where they belong, 0 elsewhere (never read)
             copies.append(lambda dst=dst, hs=hs, pos=pos, at=at: _copy_positions(dst, hs, pos, at))
-            held[b, at.long()] = True
+            held_f[at0 + at.long()] = True
         off += n
     _run_copies(copies, teacher.nbytes, threads)
     if pin_memory:
@@ -293,10 +328,11 @@ def collate_values(
         mask,
         teacher,
         list(layer_ids),
-        lengths,
-        max(pad_to_multiple_of, 1),
+        [off] if pack else lengths,
+        1 if pack else max(pad_to_multiple_of, 1),
         loss_mask=loss_mask,
         held=held,
+        segments=lengths if pack else None,
     )
 
 
@@ -308,7 +344,12 @@ def _copy_positions(dst: torch.Tensor, hs: torch.Tensor, pos: list[int], at: tor
 
 
 def _collate_fp8(
-    samples: list[Sample], layer_ids: list[int], pin_memory: bool, pad_to_multiple_of: int, threads: int
+    samples: list[Sample],
+    layer_ids: list[int],
+    pin_memory: bool,
+    pad_to_multiple_of: int,
+    threads: int,
+    pack: bool = False,
 ) -> Batch:
     """`collate` for fp8 samples: the float8 rows as bytes and their scales, both packed; the
     dequantization happens in `Batch.to` on the device."""
@@ -317,10 +358,10 @@ def _collate_fp8(
         t = dict(s.tensors)
         t["hidden_states"] = t["hidden_states"].view(torch.uint8)
         as_bytes.append(Sample(key=s.key, tensors=t, layers=s.layers, meta=s.meta))
-    batch = collate_values(as_bytes, layer_ids, pin_memory, pad_to_multiple_of, threads)
+    batch = collate_values(as_bytes, layer_ids, pin_memory, pad_to_multiple_of, threads, pack)
     scale = torch.empty(batch.teacher.shape[:2], dtype=torch.float32, pin_memory=pin_memory)
     off = 0
-    for s, n in zip(samples, batch.lengths, strict=True):
+    for s, n in zip(samples, batch.segments or batch.lengths, strict=True):
         sc = s.tensors[fp8.SCALE_KEY].unsqueeze(-1)  # [R, L, 1]: copied like the states
         pos = layer_index(s, layer_ids)
         at = s.positions
@@ -356,9 +397,11 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     """The rows `keep` of a host `batch`, trimmed to their longest sample (rounded up as `collate`
     did): equal to collating those samples."""
     idx = torch.tensor(keep, dtype=torch.long)
-    mask = batch.mask.index_select(0, idx)
-    lm = batch.loss_mask.index_select(0, idx) if batch.loss_mask is not None else None
-    held = batch.held.index_select(0, idx) if batch.held is not None else None
+    mask = lm = held = None
+    if batch.segments is None:  # a sample per row
+        mask = batch.mask.index_select(0, idx)
+        lm = batch.loss_mask.index_select(0, idx) if batch.loss_mask is not None else None
+        held = batch.held.index_select(0, idx) if batch.held is not None else None
     if batch.lengths is None:
         if batch.scale is not None:
             raise ValueError("select: a padded fp8 batch is not made by collate")
@@ -371,14 +414,17 @@ def select(batch: Batch, keep: list[int]) -> Batch:
             loss_mask=lm[:, :t].contiguous() if lm is not None else None,
             held=held[:, :t].contiguous() if held is not None else None,
         )
-    lengths = [batch.lengths[i] for i in keep]
+    units = batch.segments if batch.segments is not None else batch.lengths  # a sample each
+    lengths = [units[i] for i in keep]
     longest = max(lengths) if keep else 0
     t = padded_length(longest, batch.pad_to)
     offsets = [0]
-    for n in batch.lengths:
+    for n in units:
         offsets.append(offsets[-1] + n)
     rows = (
-        torch.cat([torch.arange(offsets[i], offsets[i] + batch.lengths[i]) for i in keep]) if keep else None
+        torch.cat([torch.arange(offsets[i], offsets[i] + units[i]) for i in keep])
+        if keep
+        else torch.zeros(0, dtype=torch.long)
     )
     pinned = batch.teacher.is_pinned()
     src = batch.teacher.view(torch.uint8) if batch.scale is not None else batch.teacher  # fp8 as bytes
@@ -394,25 +440,33 @@ def select(batch: Batch, keep: list[int]) -> Batch:
             torch.index_select(batch.scale, 0, rows, out=scale)
     if batch.scale is not None:
         teacher = teacher.view(batch.teacher.dtype)
-    ids = batch.input_ids.index_select(0, idx)[:, :t].contiguous()
-    mask = mask[:, :t].contiguous()
-    lm = lm[:, :t].contiguous() if lm is not None else None
-    held = held[:, :t].contiguous() if held is not None else None
+    if batch.segments is not None:  # packed: the kept samples' tokens, one after another
+        ids = batch.input_ids.index_select(1, rows)
+        mask = batch.mask.index_select(1, rows)
+        lm = batch.loss_mask.index_select(1, rows) if batch.loss_mask is not None else None
+        held = batch.held.index_select(1, rows) if batch.held is not None else None
+    else:
+        ids = batch.input_ids.index_select(0, idx)[:, :t].contiguous()
+        mask = mask[:, :t].contiguous()
+        lm = lm[:, :t].contiguous() if lm is not None else None
+        held = held[:, :t].contiguous() if held is not None else None
     if pinned:
         ids, mask = ids.pin_memory(), mask.pin_memory()
         lm = lm.pin_memory() if lm is not None else None
         held = held.pin_memory() if held is not None else None
+    packed = batch.segments is not None
     return Batch(
         ids,
         mask,
         teacher,
         batch.layer_ids,
-        lengths,
+        [sum(lengths)] if packed else lengths,
         batch.pad_to,
         loss_mask=lm,
         held=held,
         scale=scale,
         out_dtype=batch.out_dtype,
+        segments=lengths if packed else None,
     )
 
 
@@ -477,14 +531,21 @@ class TokenBudgetBatcher:
     samples pending for the next). The oldest sample is in every batch taken, so none waits for more
     than W / (batch size) batches, and padding shrinks: a batch holds samples of similar lengths.
     A sample longer than the budget forms a batch alone either way.
+
+    `packed` (the packed layout, `student.batch_layout: packed`): the budget counts the samples'
+    tokens (no padding), batches are cut in arrival order and `window` is not used.
     """
 
-    def __init__(self, max_tokens: int, max_samples: int | None = None, window: int = 0):
+    def __init__(
+        self, max_tokens: int, max_samples: int | None = None, window: int = 0, packed: bool = False
+    ):
         self.max_tokens = max_tokens
         self.max_samples = max_samples
-        self.window = window if window > 1 else 0  # 0: arrival order
+        self.packed = packed
+        self.window = window if window > 1 and not packed else 0  # 0: arrival order
         self.pending: list[Sample] = []  # samples not yet in a batch, in arrival order
         self._longest = 0  # longest pending sample, in tokens (arrival order)
+        self._total = 0  # pending tokens (arrival order)
         self.filled = False  # set by next_micro_batch: its last batch was full (a backlog)
         self.capped = 0  # batches next_micro_batch ended early because the credit was all held
 
@@ -493,6 +554,8 @@ class TokenBudgetBatcher:
             return True
         if self.max_samples is not None and len(self.pending) >= self.max_samples:
             return False
+        if self.packed:
+            return self._total + n_tokens <= self.max_tokens
         return (len(self.pending) + 1) * max(self._longest, n_tokens) <= self.max_tokens
 
     def push(self, sample: Sample) -> list[Sample] | None:
@@ -505,6 +568,7 @@ class TokenBudgetBatcher:
             ready = self.flush()
         self.pending.append(sample)
         self._longest = max(self._longest, n)
+        self._total += n
         return ready
 
     @property
@@ -517,12 +581,14 @@ class TokenBudgetBatcher:
             return len(self.pending) >= self.window
         if self.max_samples is not None and len(self.pending) >= self.max_samples:
             return True
+        if self.packed:
+            return self._total >= self.max_tokens
         return (len(self.pending) + 1) * self._longest > self.max_tokens
 
     def flush(self) -> list[Sample]:
         if self.window:
             return self._take()
-        out, self.pending, self._longest = self.pending, [], 0
+        out, self.pending, self._longest, self._total = self.pending, [], 0, 0
         return out
 
     def _take(self) -> list[Sample]:

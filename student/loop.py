@@ -164,7 +164,10 @@ class Trainer:
         self.pin = on_gpu
         self.pad_to = cfg.pad_to_multiple_of or (64 if on_gpu and cfg.cudnn_attention else 1)
         window = cfg.length_window if credit is None else min(cfg.length_window, credit // 2)
-        self.batcher = TokenBudgetBatcher(cfg.max_tokens_per_batch, cfg.max_samples_per_batch, window)
+        self.pack = cfg.batch_layout == "packed"  # no padding: the window is not used
+        self.batcher = TokenBudgetBatcher(
+            cfg.max_tokens_per_batch, cfg.max_samples_per_batch, window, packed=self.pack
+        )
         self.metrics = StepMetrics(accelerator, cfg, ledger, bar)
 
         self.step = self.last_ckpt = ledger.step
@@ -234,6 +237,7 @@ class Trainer:
                     pin_memory=self.pin,
                     pad_to_multiple_of=self.pad_to,
                     threads=self.cfg.collate_threads,
+                    pack=self.pack,
                 )
                 self.drop_stale(mb)
         except TeacherGone as e:

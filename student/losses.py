@@ -16,6 +16,11 @@ narrows the tokens a term is averaged over:
     generated response's last state), when loss_mask[i]. See `target_mask`.
 None: every real token counts (`loss_on: all`).
 
+`ends` (optional, [B, T] bool: True on each sample's last token): packed rows (student/packing.py)
+hold several samples one after another; the terms that look at the next token (ce, kl with a loss
+mask) treat a sample's last token as a row's last real one, so no sample predicts the next
+sample's first token. None: right-padded rows, one sample each.
+
 Samples that hold some positions' teacher states only (`teacher.capture: loss_mask`, `Batch.held`):
 the hidden-state terms and kl count held positions only (the caller narrows the mask; kl's `held`);
 ce reads no teacher state and is unaffected.
@@ -42,16 +47,25 @@ def token_mask(mask: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tens
     return m if loss_mask is None else m & loss_mask.bool()
 
 
-def target_mask(mask: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+def next_in_sample(mask: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: token i + 1 is real and belongs to token i's sample."""
+    m = mask.bool()
+    nxt = torch.zeros_like(m)
+    nxt[:, :-1] = m[:, 1:]
+    return nxt if ends is None else nxt & ~ends.bool()
+
+
+def target_mask(
+    mask: torch.Tensor, loss_mask: torch.Tensor | None, ends: torch.Tensor | None = None
+) -> torch.Tensor:
     """[B, T] bool: positions whose next-token prediction is trained. Position i counts when tokens
-    i and i + 1 are real and loss_mask[i + 1]; a row's last real position when loss_mask[i] (its
-    next token is not in the sample). `mask` when `loss_mask` is None."""
+    i and i + 1 are real and of one sample and loss_mask[i + 1]; a sample's last position when
+    loss_mask[i] (its next token is not in the sample). `mask` when `loss_mask` is None."""
     m = mask.bool()
     if loss_mask is None:
         return m
     lm = loss_mask.bool() & m
-    nxt_real = torch.zeros_like(m)
-    nxt_real[:, :-1] = m[:, 1:]
+    nxt_real = next_in_sample(m, ends)
     nxt = torch.zeros_like(m)
     nxt[:, :-1] = lm[:, 1:]
     return (m & nxt_real & nxt) | (m & ~nxt_real & lm)
@@ -141,6 +155,7 @@ def kl(
     temperature: float = 1.0,
     loss_mask: torch.Tensor | None = None,
     held: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL(teacher || student) of the softened next-token distributions, averaged over real tokens.
     `held` ([B, T] bool, optional): the positions whose teacher states (hence logits) exist
@@ -159,15 +174,20 @@ def kl(
     t_logp = F.log_softmax(_up(teacher_logits) / temperature, dim=-1)
     s_logp = F.log_softmax(_up(student_logits) / temperature, dim=-1)
     per_token = (t_logp.exp() * (t_logp - s_logp)).sum(dim=-1)  # [B, T]
-    m = target_mask(mask, loss_mask)
+    m = target_mask(mask, loss_mask, ends)
     m = (m if held is None else m & held.bool()).to(per_token.dtype)
     return (per_token * m).sum() / _tokens(m) * temperature**2
 
 
 def ce(
-    logits: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    mask: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next-token cross-entropy: position i predicts token i + 1, where both are real tokens.
+    """Next-token cross-entropy: position i predicts token i + 1, where both are real tokens of one
+    sample.
 
     Args:
         logits: [B, T, V].
@@ -180,5 +200,5 @@ def ce(
     logp = F.log_softmax(_up(logits[:, :-1]), dim=-1)  # [B, T-1, V]
     nll = -logp.gather(-1, token_ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)  # [B, T-1]
     tm = token_mask(mask, loss_mask)  # the target (token i + 1) must be real and trained
-    m = (mask[:, :-1].bool() & tm[:, 1:]).to(nll.dtype)
+    m = (next_in_sample(mask, ends)[:, :-1] & mask[:, :-1].bool() & tm[:, 1:]).to(nll.dtype)
     return (nll * m).sum() / _tokens(m)

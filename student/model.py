@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from student import packing
 from student.config import StudentConfig
 from student.errors import StudentError
 
@@ -29,7 +30,7 @@ PROJECTIONS_FILE = "distill_projections.safetensors"
 PROJECTIONS_META = "distill_projections.json"
 
 
-def load_student(cfg: StudentConfig) -> nn.Module:
+def _load_student(cfg: StudentConfig) -> nn.Module:
     """The student causal LM: from a checkpoint folder, or freshly initialised from a config dict."""
     if cfg.model is not None:
         if not Path(cfg.model).is_dir():
@@ -43,6 +44,15 @@ def load_student(cfg: StudentConfig) -> nn.Module:
         raise StudentError(f"student.from_config: {e}") from None
     torch.manual_seed(cfg.seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def load_student(cfg: StudentConfig) -> nn.Module:
+    """The student causal LM (a checkpoint folder or a config dict), its attention set for the
+    batch layout: `packing.packed_attention` when `student.batch_layout` is packed."""
+    model = _load_student(cfg)
+    if cfg.batch_layout == "packed":
+        packing.use_packed_attention(model)
+    return model
 
 
 def teacher_config(cfg: StudentConfig) -> PretrainedConfig | None:
@@ -138,7 +148,7 @@ def _param_name(root: nn.Module, sub: nn.Module, pname: str) -> str:
 class DistillModel(nn.Module):
     """Student LM + one projection per layer pair (identity when widths match and none is forced).
 
-    forward(input_ids [B, T], mask [B, T]) -> (logits [B, T, V], [per pair: [B, T, H_t]]).
+    forward(input_ids [B, T], mask [B, T], segments) -> (logits [B, T, V], [per pair: [B, T, H_t]]).
     Student layer ids follow the teacher's convention: id L_s is the last decoder layer's output
     BEFORE the final norm, captured with a forward pre-hook on the norm (transformers'
     hidden_states[L_s] is after it).
@@ -178,18 +188,27 @@ class DistillModel(nn.Module):
         read (they skip padding positions), and without it SDPA may use its flash kernel for every
         batch, and transformers does not read the mask on the device to choose (two host
         synchronisations a forward on a GPU). Other attention implementations get the 2D mask."""
-        if getattr(self.student.config, "_attn_implementation", None) in ("sdpa", "eager"):
+        if getattr(self.student.config, "_attn_implementation", None) in ("sdpa", "eager", packing.ATTENTION):
             return None
         return mask.long()
 
     def _grab_prenorm(self, module, args):
         self._prenorm = args[0]
 
-    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor):
-        """`mask`: True on real tokens, right padding (as `student.data.Batch` holds it)."""
-        out = self.student(
-            input_ids=input_ids, attention_mask=self._attention_mask(mask), output_hidden_states=True
-        )
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, segments: packing.Segments | None = None):
+        """`mask`: True on real tokens, right padding (as `student.data.Batch` holds it).
+        `segments`: a packed row (`Batch.packing`): each sample its own positions and attention."""
+        if segments is not None:
+            out = self.student(
+                input_ids=input_ids,
+                position_ids=segments.position_ids,
+                output_hidden_states=True,
+                distill_packed=segments,
+            )
+        else:
+            out = self.student(
+                input_ids=input_ids, attention_mask=self._attention_mask(mask), output_hidden_states=True
+            )
         hidden = list(out.hidden_states)
         hidden[self.num_layers] = self._prenorm  # id L_s = before the final norm
         self._prenorm = None

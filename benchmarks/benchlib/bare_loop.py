@@ -21,9 +21,12 @@ def token_lengths(cfg_path: Path) -> dict[str, list[int]]:
     return {k: prompter.token_ids(row) for k, row in iter_rows(tcfg)}
 
 
-def plan_batches(ids: dict[str, list[int]], metrics: str | None, budget: int) -> tuple[list[list[str]], str]:
+def plan_batches(
+    ids: dict[str, list[int]], metrics: str | None, budget: int, packed: bool = False
+) -> tuple[list[list[str]], str]:
     """The student's own batches (from metrics.json: keys grouped by optimizer step, in order) when
-    there is one, else the dataset order through the student's TokenBudgetBatcher."""
+    there is one, else the dataset order through the student's TokenBudgetBatcher (`packed`: its
+    budget counts tokens, as the student's packed layout does)."""
     from student.data import TokenBudgetBatcher
 
     class _S:
@@ -45,7 +48,7 @@ def plan_batches(ids: dict[str, list[int]], metrics: str | None, budget: int) ->
         groups = [list(ids)]
     batches = []
     for g in groups:  # a step may hold several micro-batches: split by the same budget
-        b = TokenBudgetBatcher(budget)
+        b = TokenBudgetBatcher(budget, packed=packed)
         for k in g:
             ready = b.push(_S(k, len(ids[k])))
             if ready:
@@ -70,7 +73,8 @@ def child_bare(args) -> dict:
     cfg, run = load_student_config(args.config, [])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ids = token_lengths(Path(args.config))
-    batches, how = plan_batches(ids, args.metrics, cfg.max_tokens_per_batch)
+    packed = getattr(cfg, "batch_layout", "padded") == "packed"  # the student's layout
+    batches, how = plan_batches(ids, args.metrics, cfg.max_tokens_per_batch, packed)
     tconf = teacher_config(cfg)
     H, L = tconf.hidden_size, tconf.num_hidden_layers
     torch.manual_seed(0)
@@ -96,12 +100,24 @@ def child_bare(args) -> dict:
     # Teacher states on the device, in the dtype the teacher sends (the loss upcasts, as in the
     # student): one random pool, each batch a view of its first B*T rows.
     tdtype = torch.float32 if (run.teacher or {}).get("dtype") == "float32" else torch.bfloat16
-    max_rows = max(len(b) * padded(max(len(ids[k]) for k in b)) for b in batches)
+
+    def rows(b: list[str]) -> int:
+        lens = [len(ids[k]) for k in b]
+        return sum(lens) if packed else len(b) * padded(max(lens))
+
+    max_rows = max(rows(b) for b in batches)
     pool = torch.randn(max_rows, len(layer_ids), H, device=dev, dtype=torch.float32).to(tdtype)
     out0 = {"bare_cudnn_attention": cudnn, "bare_pad_to": pad_to, "bare_teacher_dtype": str(tdtype)}
+    out0["bare_batch_layout"] = "packed" if packed else "padded"
     dev_batches = []
     for b in batches:
         lens = [len(ids[k]) for k in b]
+        if packed:  # one row, the samples one after another (student.batch_layout: packed)
+            n = sum(lens)
+            inp = torch.tensor([t for k in b for t in ids[k]], dtype=torch.long).view(1, n)
+            host = Batch(inp, torch.ones(1, n, dtype=torch.bool), pool[:n], layer_ids, [n], segments=lens)
+            dev_batches.append(host.to(dev))
+            continue
         T = padded(max(lens))
         inp = torch.zeros(len(b), T, dtype=torch.long)
         mask = torch.zeros(len(b), T, dtype=torch.bool)
@@ -111,6 +127,31 @@ def child_bare(args) -> dict:
         teacher = pool[: len(b) * T].view(len(b), T, len(layer_ids), H)
         dev_batches.append(Batch(inp.to(dev), mask.to(dev), teacher, layer_ids))  # padded: lengths None
     real_tokens = [int(b.mask.sum()) for b in dev_batches]
+    if packed:  # the packed kernel path against the padded one, same samples: the loss must agree
+        b0 = batches[0]
+        lens = [len(ids[k]) for k in b0]
+        inp = torch.zeros(len(b0), max(lens), dtype=torch.long)
+        mask = torch.zeros(len(b0), max(lens), dtype=torch.bool)
+        for i, k in enumerate(b0):
+            inp[i, : lens[i]] = torch.tensor(ids[k])
+            mask[i, : lens[i]] = True
+        rows = dev_batches[0].teacher[0]  # [N, n, H]: each sample's rows in order
+        pad_t = torch.zeros(len(b0), max(lens), *rows.shape[1:], device=dev, dtype=rows.dtype)
+        off = 0
+        for i, n in enumerate(lens):
+            pad_t[i, :n] = rows[off : off + n]
+            off += n
+        as_padded = Batch(inp.to(dev), mask.to(dev), pad_t, layer_ids)
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            lk = float(compute_loss(model, head, dev_batches[0], cfg, L)[0])
+            lp = float(compute_loss(model, head, as_padded, cfg, L)[0])
+        from student import packing
+
+        out0.update(
+            bare_packed_check_loss=[round(lk, 6), round(lp, 6)],
+            bare_packed_check_rel=round(abs(lk - lp) / max(abs(lp), 1e-12), 6),
+            bare_packed_varlen=packing._VARLEN is not None and dev.type == "cuda" and amp,
+        )
 
     def sync():
         if dev.type == "cuda":
@@ -231,6 +272,8 @@ def child_bare(args) -> dict:
         collate_kw["pad_to_multiple_of"] = pad_to
     if "threads" in params:
         collate_kw["threads"] = cfg.collate_threads
+    if "pack" in params:
+        collate_kw["pack"] = packed
     out["bare_with_student_collate_kw"] = collate_kw
     ph2 = collections.defaultdict(float)
     t0 = time.perf_counter()

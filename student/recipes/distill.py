@@ -62,7 +62,7 @@ class Distill(Recipe):
         """
         if batch.lengths is not None:  # a packed host batch (collate): pad it where it is
             batch = batch.to(batch.input_ids.device)
-        logits, mapped = model(batch.input_ids, batch.mask)
+        logits, mapped = model(batch.input_ids, batch.mask, batch.packing)
         w = cfg.losses
         pos = {lid: i for i, lid in enumerate(batch.layer_ids)}  # teacher layer id -> index in batch.teacher
         terms: dict[str, torch.Tensor] = {}
@@ -90,10 +90,10 @@ class Distill(Recipe):
         if w.kl > 0:
             teacher_logits = head(batch.teacher[:, :, pos[teacher_last]].float())
             terms["kl"] = losses.kl(
-                logits, teacher_logits, batch.mask, cfg.temperature, loss_mask=lm, held=held
+                logits, teacher_logits, batch.mask, cfg.temperature, loss_mask=lm, held=held, ends=batch.ends
             )
         if w.ce > 0:
-            terms["ce"] = losses.ce(logits, batch.input_ids, batch.mask, loss_mask=lm)
+            terms["ce"] = losses.ce(logits, batch.input_ids, batch.mask, loss_mask=lm, ends=batch.ends)
         loss = sum(getattr(w, k) * v for k, v in terms.items())
         return loss, {k: v.detach() for k, v in terms.items()}
 
