@@ -948,19 +948,11 @@ def test_a_training_step_never_reads_a_device_value_on_the_host(attn):
     alone: a real token's past is all real). Counted here on the CPU: no `_local_scalar_dense` in
     forward and backward, and the same loss and gradients as with the 2D mask, for a padded batch, an
     unpadded one and the one-padding-token batch of the zero-weight synchronising backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from host_reads import HostReads
 
     from student.data import empty_batch
     from student.model import DistillModel, load_student
     from student.recipes.distill import Distill
-
-    class Reads(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero", "nonzero"):
-                Reads.n += 1
-            return func(*args, **(kwargs or {}))
 
     cfg = load_student_config_dict({**TINY_STUDENT, "losses": {"nmse": 1.0, "cosine": 0.5, "ce": 0.5}})
     model = DistillModel(load_student(cfg), [(1, 2)], 8, "auto")
@@ -975,16 +967,15 @@ def test_a_training_step_never_reads_a_device_value_on_the_host(attn):
         runs = []
         for as_before in (False, True):  # as before: the 2D mask
             model.zero_grad(set_to_none=True)
-            Reads.n = 0
             if as_before:
                 model._attention_mask = lambda m: m.long()  # shadows the method on this instance
-            with Reads():
+            with HostReads() as reads:
                 loss, _ = Distill().loss(model, None, dev, cfg, None)
                 (loss * (0.0 if name == "empty" else 1.0)).backward()
             if as_before:
                 del model._attention_mask  # back to the class's method
             if not as_before:
-                assert Reads.n == 0, f"{name}: {Reads.n} host reads of device values"
+                assert reads.n == 0, f"{name}: {reads.n} host reads of device values"
             runs.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
         (l1, g1), (l2, g2) = runs
         assert torch.isfinite(l1) and all(torch.isfinite(g).all() for g in g1), name
