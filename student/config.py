@@ -109,12 +109,11 @@ class StudentConfig(Strict):
     loss_on: Literal["all", "masked"] = "all"
 
     # --- batching ---
-    # padded: a sample per row, padded on the right to the longest. packed: a micro-batch's samples
-    # one after another in one row, no padding; each sample keeps its own positions and attends to
-    # itself only (variable-length FlashAttention on a GPU in bf16/fp16, SDPA per sample otherwise:
-    # student/packing.py); not yet measured on a GPU, hence not the default. The eagle3 recipe
-    # trains padded rows only.
-    batch_layout: Literal["padded", "packed"] = "padded"
+    # packed: a micro-batch's samples one after another in one row, no padding; each sample keeps
+    # its own positions and attends to itself only (variable-length FlashAttention on a GPU in
+    # bf16/fp16, SDPA per sample otherwise: student/packing.py). padded: a sample per row, padded
+    # on the right to the longest. The eagle3 recipe trains padded rows only (its default).
+    batch_layout: Literal["packed", "padded"] = "packed"
     # Tokens per micro-batch per rank: packed, the samples' tokens; padded, batch size x longest
     # sample. A longer sample goes alone.
     max_tokens_per_batch: int = Field(4096, gt=0)
@@ -233,7 +232,9 @@ def _eagle3_rules(cfg: StudentConfig) -> None:
         cfg.eagle3 = Eagle3Config()
     if "loss_on" not in cfg.model_fields_set:
         cfg.loss_on = "masked"  # a draft learns the responses (EAGLE-3 trainers do the same)
-    if cfg.batch_layout == "packed":
+    if "batch_layout" not in cfg.model_fields_set:
+        cfg.batch_layout = "padded"
+    elif cfg.batch_layout == "packed":
         raise ValueError(
             "recipe eagle3 trains padded rows (its steps read each row's next positions): set "
             "batch_layout: padded or leave it out"

@@ -1,6 +1,6 @@
 """Packed batches: a micro-batch's samples one after another in a single row, no padding.
 
-`student.batch_layout: packed` (opt-in; the default is padded, one sample per row). The row is
+`student.batch_layout: packed` (the default of the distill recipe). The row is
 [1, N] tokens with N = the samples' tokens; each sample keeps its own positions (0, 1, ... per
 sample, so rotary embeddings see what they would see alone) and attends to its own tokens only.
 The attention is this module's `packed_attention`, registered with transformers' AttentionInterface

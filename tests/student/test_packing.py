@@ -3,8 +3,7 @@ micro-batch one after another in one row, each attending to itself only. What it
 same losses and gradients as the padded layout over the same samples (every term, with and without
 a loss mask, samples holding some positions only, fp8 samples), a budget that counts tokens,
 `select` equal to collating the kept samples, and no host read of a device value in a step. The
-student loop runs packed with two ranks against a live teacher in
-tests/system/test_student_e2e.py (`stream_run`)."""
+student loop itself runs packed in every system test (it is the default)."""
 
 from __future__ import annotations
 
@@ -170,7 +169,7 @@ def test_the_packed_budget_counts_tokens_in_arrival_order():
 def test_eagle3_trains_padded_rows_and_refuses_packed_in_one_line():
     base = {"recipe": "eagle3", "teacher_model": "/nonexistent"}
     assert StudentConfig.model_validate(base).batch_layout == "padded"
-    assert StudentConfig.model_validate(STUDENT).batch_layout == "padded"  # until measured on a GPU
+    assert StudentConfig.model_validate(STUDENT).batch_layout == "packed"
     with pytest.raises(ValueError, match="recipe eagle3 trains padded rows"):
         StudentConfig.model_validate({**base, "batch_layout": "packed"})
 

@@ -171,12 +171,7 @@ def stream_run(assets, tmp_path_factory):
     # samples in different steps (the per-token loss differs with length: the ratio moved between
     # 0.65 and 0.84 over three runs of the default). Batches by length keep every sample once in
     # the fault matrix, the chaos schedules and tests/student/test_student_units.py.
-    # The packed layout (student/packing.py; arrival order by tokens): two ranks, DDP, the key
-    # agreement and a loadable exported model over packed rows (tests/student/test_packing.py
-    # checks its losses against padded rows).
-    run = run_file(
-        tmp, assets, faults.free_port(), trackers=["tensorboard"], length_window=0, batch_layout="packed"
-    )
+    run = run_file(tmp, assets, faults.free_port(), trackers=["tensorboard"], length_window=0)
     teacher = start_teacher(assets, run, tmp / "teacher.log")
     t0 = time.monotonic()
     students = start_students(run, tmp / "students.log")
