@@ -14,4 +14,5 @@ if [[ ${1:-} == --quick ]]; then
   shift
   set -- -m "not slow" "$@"
 fi
-exec .venv/bin/python -m pytest -q -rs "$@"
+# --durations: the 25 slowest tests close every run (where the suite's time goes).
+exec .venv/bin/python -m pytest -q -rs --durations=25 "$@"

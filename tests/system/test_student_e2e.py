@@ -166,11 +166,12 @@ def loss_ratio(steps: list[dict], first: int = 5, last: int = 10) -> float:
 def stream_run(assets, tmp_path_factory):
     """Two student ranks against one live teacher, trained to the end of the stream."""
     tmp = tmp_path_factory.mktemp("stream")
-    # Batches in arrival order (length_window 0), as in the offline test below: the learning check
-    # compares the first and last steps' losses, and batches by length put the short and the long
-    # samples in different steps (the per-token loss differs with length: the ratio moved between
-    # 0.65 and 0.84 over three runs of the default). Batches by length keep every sample once in
-    # the fault matrix, the chaos schedules and tests/student/test_student_units.py.
+    # Batches in arrival order: the learning check compares the first and last steps' losses, and
+    # batches by length would put the short and the long samples in different steps (the per-token
+    # loss differs with length). Packed batches (the default) are cut in arrival order;
+    # length_window 0 keeps padded rows in that order too. Packed batches keep every sample once in
+    # the fault matrix and the chaos schedules (the default there); batches by length:
+    # tests/student/test_student_units.py.
     run = run_file(tmp, assets, faults.free_port(), trackers=["tensorboard"], length_window=0)
     teacher = start_teacher(assets, run, tmp / "teacher.log")
     t0 = time.monotonic()
