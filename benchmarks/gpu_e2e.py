@@ -71,8 +71,10 @@ from benchlib.procs import (  # noqa: E402
     on_signal,
     run_child,
 )
-from benchlib.runfile import build_assets, run_config  # noqa: E402
+from benchlib.runfile import build_assets, check_variants, parse_sets, run_config  # noqa: E402
 from benchlib.student_probe import child_loop_probe, child_profile_student, run_probe, write_synthetic_spool  # noqa: E402
+
+from distill.errors import ConfigError  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -163,6 +165,12 @@ def main(argv=None) -> int:
     if args.child == "loop-probe":
         child_loop_probe(args)
         return 0
+    try:  # the overrides' form, before any work (their values: check_variants once run.yaml exists)
+        parse_sets(args.set)
+        parse_sets(args.alone_set or [])
+    except ValueError as e:
+        print(f"gpu_e2e: --set/--alone-set: {e}", file=sys.stderr)
+        return 2
     if args.rows is None:
         args.rows = 48 if args.tiny else 3000
     if args.profile_samples is None:
@@ -204,6 +212,7 @@ def main(argv=None) -> int:
         cfg_path = work / "run.yaml"
         cfg_path.write_text("# written by benchmarks/gpu_e2e.py\n" + yaml.safe_dump(cfg, sort_keys=False))
         res["run_yaml"] = cfg
+        check_variants(cfg, args.alone_set)  # run.yaml, and with each --alone-set variant
         expected = [json.loads(line)["id"] for line in Path(data).read_text().splitlines() if line.strip()]
         if not args.skip_e2e:
             t = time.monotonic()
@@ -284,6 +293,9 @@ def main(argv=None) -> int:
             phases["probe_s"] = round(time.monotonic() - t, 1)
     except Interrupted as e:
         status = f"interrupted ({e})"
+    except ConfigError as e:  # one line: a setting the teacher or the student would refuse
+        print(f"gpu_e2e: {e}", file=sys.stderr)
+        status = f"config: {e}"
     except Exception as e:  # report what there is
         import traceback
 

@@ -130,13 +130,61 @@ def set_dotted(cfg: dict, dotted: str, value) -> None:
     d[parts[-1]] = value
 
 
-def apply_sets(cfg: dict, items, prefix: str = "") -> None:
-    """KEY=VALUE overrides (YAML values) into `cfg`; `items` may hold comma-separated lists."""
+SECTIONS = ("teacher", "student", "transport", "spool")  # the run file's sections
+
+
+def parse_sets(items, prefix: str = "") -> list[tuple[str, object]]:
+    """`--set` / `--alone-set` items (each a comma-separated list of section.key=value; the value
+    read as YAML; "" adds nothing) as (dotted key, value) pairs.
+
+    Raises:
+        ValueError: an item that is not section.key=value with a known section (one line).
+    """
     import yaml
 
+    pairs = []
     for item in (x for group in items for x in group.split(",") if x):
-        key, _, raw = item.partition("=")
-        set_dotted(cfg, prefix + key.strip(), yaml.safe_load(raw))
+        key, eq, raw = item.partition("=")
+        key = prefix + key.strip()
+        section, dot, rest = key.partition(".")
+        if not eq or not dot or not rest or section not in SECTIONS:
+            raise ValueError(
+                f"{item!r} is not section.key=value with a section of {', '.join(SECTIONS)} "
+                "(the defaults are an empty argument: --alone-set '')"
+            )
+        pairs.append((key, yaml.safe_load(raw)))
+    return pairs
+
+
+def apply_sets(cfg: dict, items, prefix: str = "") -> None:
+    """KEY=VALUE overrides (YAML values) into `cfg`; `items` may hold comma-separated lists."""
+    for key, value in parse_sets(items, prefix):
+        set_dotted(cfg, key, value)
+
+
+def check_variants(cfg: dict, variants) -> None:
+    """Validate run.yaml with each `--alone-set` variant applied as the teacher and the student
+    will (typed configs), before any phase spends GPU time on one they would refuse.
+
+    Raises:
+        ConfigError: one line naming the variant and the key.
+    """
+    from distill.config import RunFile, validate
+    from distill.errors import ConfigError
+    from student.config import StudentConfig
+    from teacher.config import load_teacher_config
+
+    for variant in variants or [""]:
+        data = json.loads(json.dumps(cfg))
+        apply_sets(data, [variant])
+        try:
+            validate(RunFile, data)
+            load_teacher_config(data.get("teacher"))
+            validate(StudentConfig, data.get("student"), prefix="student.")
+        except ConfigError as e:
+            raise ConfigError(
+                f"--alone-set {variant!r}: {e}" if variant else f"run.yaml with --set: {e}"
+            ) from None
 
 
 def use_port(cfg: dict, port: int) -> None:

@@ -1,0 +1,63 @@
+"""benchmarks/gpu_e2e.py refuses a `--set` / `--alone-set` it cannot use in one line, before the
+phases that spend GPU time: a malformed item (a shell that passed the two characters '' instead of
+an empty argument) at once with exit 2, a value the teacher or the student would refuse once
+run.yaml exists (tiny assets, ~5 s; no engine, no student starts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # CLI runs
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = [sys.executable, str(ROOT / "benchmarks" / "gpu_e2e.py"), "--tiny"]
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*BENCH, "--work-dir", str(tmp_path / "work"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_malformed_override_exits_2_in_one_line_before_any_work(tmp_path):
+    p = _run(tmp_path, "--alone", "--alone-set", "''", "--alone-set", "student.batch_layout=padded")
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "\"''\" is not section.key=value" in lines[0], p.stderr
+    assert not (tmp_path / "work").exists()  # nothing built
+    p = _run(tmp_path, "--set", "batch_layout=packed")  # no section
+    assert p.returncode == 2 and "'batch_layout=packed' is not section.key=value" in p.stderr
+
+
+def test_a_variant_the_student_would_refuse_is_named_before_the_alone_phase(tmp_path):
+    p = _run(
+        tmp_path,
+        "--skip-e2e",
+        "--skip-bare",
+        "--alone",
+        "--alone-set",
+        "",
+        "--alone-set",
+        "student.batch_layout=zigzag",
+    )
+    assert p.returncode == 1, p.stderr[-2000:]
+    said = [line for line in p.stderr.splitlines() if line.startswith("gpu_e2e: ")]
+    assert said == [
+        "gpu_e2e: --alone-set 'student.batch_layout=zigzag': invalid config: 'student.batch_layout': "
+        "Input should be 'packed' or 'padded' (got 'zigzag')"
+    ], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT_JSON "))[12:])
+    assert res["status"].startswith("config: --alone-set 'student.batch_layout=zigzag'")
+    assert "alone_runs" not in res and "alone_generate_rc" not in res  # no phase ran
+    p = _run(tmp_path, "--skip-e2e", "--skip-bare", "--set", "student.lr=abc")  # the base run.yaml
+    assert p.returncode == 1 and "gpu_e2e: run.yaml with --set: invalid config: 'student.lr'" in p.stderr
