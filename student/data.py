@@ -394,67 +394,27 @@ def copy_layers(dst: torch.Tensor, hs: torch.Tensor, pos: list[int]) -> None:
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:
-    """The rows `keep` of a host `batch`, trimmed to their longest sample (rounded up as `collate`
-    did): equal to collating those samples."""
-    idx = torch.tensor(keep, dtype=torch.long)
-    mask = lm = held = None
-    if batch.segments is None:  # a sample per row
-        mask = batch.mask.index_select(0, idx)
-        lm = batch.loss_mask.index_select(0, idx) if batch.loss_mask is not None else None
-        held = batch.held.index_select(0, idx) if batch.held is not None else None
+    """The samples `keep` of a host `batch` (rows of padded rows, samples of a packed row), trimmed
+    as `collate` would: equal to collating those samples."""
     if batch.lengths is None:
-        if batch.scale is not None:
-            raise ValueError("select: a padded fp8 batch is not made by collate")
-        t = int(mask.sum(1).max()) if keep else 0
-        return Batch(
-            batch.input_ids.index_select(0, idx)[:, :t].contiguous(),
-            mask[:, :t].contiguous(),
-            batch.teacher.index_select(0, idx)[:, :t].contiguous(),
-            batch.layer_ids,
-            loss_mask=lm[:, :t].contiguous() if lm is not None else None,
-            held=held[:, :t].contiguous() if held is not None else None,
-        )
-    units = batch.segments if batch.segments is not None else batch.lengths  # a sample each
-    lengths = [units[i] for i in keep]
-    longest = max(lengths) if keep else 0
-    t = padded_length(longest, batch.pad_to)
-    offsets = [0]
-    for n in units:
-        offsets.append(offsets[-1] + n)
-    rows = (
-        torch.cat([torch.arange(offsets[i], offsets[i] + units[i]) for i in keep])
-        if keep
-        else torch.zeros(0, dtype=torch.long)
-    )
-    pinned = batch.teacher.is_pinned()
-    src = batch.teacher.view(torch.uint8) if batch.scale is not None else batch.teacher  # fp8 as bytes
-    teacher = torch.empty((sum(lengths), *src.shape[1:]), dtype=src.dtype, pin_memory=pinned)
-    scale = None
-    if batch.scale is not None:
-        scale = torch.empty(
-            (sum(lengths), *batch.scale.shape[1:]), dtype=batch.scale.dtype, pin_memory=pinned
-        )
-    if keep:
-        torch.index_select(src, 0, rows, out=teacher)
-        if scale is not None:
-            torch.index_select(batch.scale, 0, rows, out=scale)
-    if batch.scale is not None:
-        teacher = teacher.view(batch.teacher.dtype)
-    if batch.segments is not None:  # packed: the kept samples' tokens, one after another
-        ids = batch.input_ids.index_select(1, rows)
-        mask = batch.mask.index_select(1, rows)
-        lm = batch.loss_mask.index_select(1, rows) if batch.loss_mask is not None else None
-        held = batch.held.index_select(1, rows) if batch.held is not None else None
-    else:
-        ids = batch.input_ids.index_select(0, idx)[:, :t].contiguous()
-        mask = mask[:, :t].contiguous()
-        lm = lm[:, :t].contiguous() if lm is not None else None
-        held = held[:, :t].contiguous() if held is not None else None
-    if pinned:
-        ids, mask = ids.pin_memory(), mask.pin_memory()
-        lm = lm.pin_memory() if lm is not None else None
-        held = held.pin_memory() if held is not None else None
+        return _select_dense(batch, keep)
     packed = batch.segments is not None
+    units = batch.segments if packed else batch.lengths  # tokens of each sample
+    lengths = [units[i] for i in keep]
+    rows = _token_rows(units, keep)
+    pinned = batch.teacher.is_pinned()
+    teacher, scale = _gather_states(batch, rows, sum(lengths), pinned)
+    per_token = (batch.input_ids, batch.mask, batch.loss_mask, batch.held)
+    if packed:  # the kept samples' tokens, one after another
+        ids, mask, lm, held = (None if x is None else x.index_select(1, rows) for x in per_token)
+    else:  # the kept rows, cut to the longest (rounded up as collate did)
+        t = padded_length(max(lengths) if keep else 0, batch.pad_to)
+        idx = torch.tensor(keep, dtype=torch.long)
+        ids, mask, lm, held = (
+            None if x is None else x.index_select(0, idx)[:, :t].contiguous() for x in per_token
+        )
+    if pinned:
+        ids, mask, lm, held = (None if x is None else x.pin_memory() for x in (ids, mask, lm, held))
     return Batch(
         ids,
         mask,
@@ -468,6 +428,55 @@ def select(batch: Batch, keep: list[int]) -> Batch:
         out_dtype=batch.out_dtype,
         segments=lengths if packed else None,
     )
+
+
+def _select_dense(batch: Batch, keep: list[int]) -> Batch:
+    """`select` of a batch whose teacher states are [B, T, n, H] with padding (not from collate)."""
+    if batch.scale is not None:
+        raise ValueError("select: a padded fp8 batch is not made by collate")
+    idx = torch.tensor(keep, dtype=torch.long)
+    mask = batch.mask.index_select(0, idx)
+    t = int(mask.sum(1).max()) if keep else 0
+
+    def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.index_select(0, idx)[:, :t].contiguous()
+
+    return Batch(
+        rows(batch.input_ids),
+        mask[:, :t].contiguous(),
+        rows(batch.teacher),
+        batch.layer_ids,
+        loss_mask=rows(batch.loss_mask),
+        held=rows(batch.held),
+    )
+
+
+def _token_rows(units: list[int], keep: list[int]) -> torch.Tensor:
+    """Indices of the kept samples' tokens in a batch's token-major teacher states."""
+    offsets = [0]
+    for n in units:
+        offsets.append(offsets[-1] + n)
+    if not keep:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(offsets[i], offsets[i] + units[i]) for i in keep])
+
+
+def _gather_states(
+    batch: Batch, rows: torch.Tensor, n: int, pinned: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The teacher states (and fp8 scales) of `rows`, into new (pinned) host tensors of n tokens."""
+    src = batch.teacher.view(torch.uint8) if batch.scale is not None else batch.teacher  # fp8 as bytes
+    teacher = torch.empty((n, *src.shape[1:]), dtype=src.dtype, pin_memory=pinned)
+    scale = None
+    if batch.scale is not None:
+        scale = torch.empty((n, *batch.scale.shape[1:]), dtype=batch.scale.dtype, pin_memory=pinned)
+    if n:
+        torch.index_select(src, 0, rows, out=teacher)
+        if scale is not None:
+            torch.index_select(batch.scale, 0, rows, out=scale)
+    if batch.scale is not None:
+        teacher = teacher.view(batch.teacher.dtype)
+    return teacher, scale
 
 
 def key_hash(key: str) -> int:
