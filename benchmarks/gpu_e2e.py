@@ -16,8 +16,10 @@ One command. It
    like for like (`--alone-synthetic`: the spool is written without vLLM; `--alone-set`: several
    variants of run.yaml served from hard links to one spool, each in `alone_runs`);
 5. optionally (`--profile`) runs the real student loop (student.train) over a synthetic spool
-   folder with timers around each phase (fill, collate, host-to-device copy, forward + loss,
-   backward, collectives, optimizer) plus a torch.profiler window: where the student's time goes;
+   folder (read by the student itself, or with `--profile-source stream` served to it by a
+   distill-teacher without an engine) with timers around each phase (fill, collate, host-to-device
+   copy, forward + loss, backward, collectives, optimizer) plus a torch.profiler window: where the
+   student's time goes;
 
 and ends with one line `RESULT_JSON {...}`:
 
@@ -63,6 +65,7 @@ from benchlib.e2e_results import read_results  # noqa: E402
 from benchlib.e2e_run import run_alone, run_e2e  # noqa: E402
 from benchlib.procs import (  # noqa: E402
     Interrupted,
+    Proc,
     accelerate_launcher,
     child_env,
     free_port,
@@ -72,7 +75,13 @@ from benchlib.procs import (  # noqa: E402
     run_child,
 )
 from benchlib.runfile import build_assets, check_variants, parse_sets, run_config  # noqa: E402
-from benchlib.student_probe import child_loop_probe, child_profile_student, run_probe, write_synthetic_spool  # noqa: E402
+from benchlib.student_probe import (  # noqa: E402
+    child_loop_probe,
+    child_profile_student,
+    profile_stream_config,
+    run_probe,
+    write_synthetic_spool,
+)
 
 from distill.errors import ConfigError  # noqa: E402
 
@@ -145,6 +154,13 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--profile-samples", type=int, default=None, help="synthetic samples (default 600; --tiny 24)"
+    )
+    p.add_argument(
+        "--profile-source",
+        choices=["spool", "stream"],
+        default="spool",
+        help="spool: the profiled student reads the synthetic spool itself (student.mode: spool); "
+        "stream: a distill-teacher (no engine) serves it and the student receives it as a stream",
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # bare | profile-student
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)  # child: run.yaml
@@ -260,24 +276,35 @@ def main(argv=None) -> int:
             pspool = Path(spool + "_profile")
             n = write_synthetic_spool(cfg_path, pspool, args.profile_samples)
             pcfg = json.loads(json.dumps(cfg))
-            pcfg["student"].update(
-                mode="spool", spool_dir=str(pspool), output_dir=str(work / "profile_student")
-            )
+            pcfg["student"]["output_dir"] = str(work / "profile_student")
+            server = None
+            if args.profile_source == "stream":  # served as the alone phase serves its spool
+                pcfg = profile_stream_config(pcfg, work, n, pspool)
+            else:
+                pcfg["student"].update(mode="spool", spool_dir=str(pspool))
             pcfg_path = work / "profile.yaml"
             pcfg_path.write_text(yaml.safe_dump(pcfg, sort_keys=False))
+            if args.profile_source == "stream":
+                server = Proc("profile-teacher", [sys.executable, "-m", "teacher.cli", "--config", str(pcfg_path)],
+                              work / "profile_teacher.log", env)  # fmt: skip
             senv = dict(env)
             launcher = accelerate_launcher(pcfg["student"]["mixed_precision"])
             left = args.budget_s - (time.monotonic() - t_start) - 10
-            prof = run_child(
-                args,
-                "profile-student",
-                ["--config", str(pcfg_path)],
-                senv,
-                min(300.0, left),
-                work / "profile.log",
-                launcher,
-            )
+            try:
+                prof = run_child(
+                    args,
+                    "profile-student",
+                    ["--config", str(pcfg_path)],
+                    senv,
+                    min(300.0, left),
+                    work / "profile.log",
+                    launcher,
+                )
+            finally:
+                if server is not None:
+                    server.stop(signal.SIGINT, grace=20)
             res["profile_synthetic_samples"] = n
+            res["profile_source"] = args.profile_source
             if "result" in prof:
                 res.update(prof["result"])
                 (out_dir / "profile_tables.txt").write_text(
@@ -324,7 +351,15 @@ def main(argv=None) -> int:
         "time_to_first_step_s",
     ):
         res.setdefault(k, None)
-    for name in ("teacher.log", "student.log", "bare.log", "profile.log", "probe_0.log", "probe_bare.log"):
+    for name in (
+        "teacher.log",
+        "student.log",
+        "bare.log",
+        "profile.log",
+        "profile_teacher.log",
+        "probe_0.log",
+        "probe_bare.log",
+    ):
         src = work / name
         if src.exists() and out_dir != work:
             data = src.read_bytes()

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from benchlib.bare_loop import token_lengths
-from benchlib.procs import accelerate_launcher, log, run_child
-from benchlib.runfile import apply_sets
+from benchlib.procs import accelerate_launcher, free_port, log, run_child
+from benchlib.runfile import apply_sets, use_port
 
 
 def write_synthetic_spool(cfg_path: Path, spool: Path, n: int) -> int:
@@ -50,6 +50,22 @@ def write_synthetic_spool(cfg_path: Path, spool: Path, n: int) -> int:
             ),
         )
     return min(n, len(ids))
+
+
+def profile_stream_config(cfg: dict, work: Path, n: int, spool: Path) -> dict:
+    """run.yaml for `--profile-source stream`: a distill-teacher whose dataset is the n rows the
+    synthetic spool holds (so it has nothing to generate and starts no engine) serves that spool to
+    the profiled student over the run's transport (shared memory on the same host)."""
+    pcfg = json.loads(json.dumps(cfg))
+    rows = [line for line in Path(cfg["teacher"]["dataset"]).read_text().splitlines() if line.strip()][:n]
+    serve = work / "profile_serve"
+    shutil.rmtree(serve, ignore_errors=True)
+    serve.mkdir(parents=True)
+    (serve / "data.jsonl").write_text("\n".join(rows) + "\n")
+    pcfg["teacher"].update(dataset=str(serve / "data.jsonl"), journal=str(serve / "journal.txt"))
+    pcfg["spool"]["dir"] = str(spool)
+    use_port(pcfg, free_port())
+    return pcfg
 
 
 def child_loop_probe(args) -> None:

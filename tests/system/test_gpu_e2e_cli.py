@@ -1,7 +1,10 @@
-"""benchmarks/gpu_e2e.py refuses a `--set` / `--alone-set` it cannot use in one line, before the
-phases that spend GPU time: a malformed item (a shell that passed the two characters '' instead of
-an empty argument) at once with exit 2, a value the teacher or the student would refuse once
-run.yaml exists (tiny assets, ~5 s; no engine, no student starts)."""
+"""benchmarks/gpu_e2e.py's command line on a CPU (`--tiny`: tiny assets, no engine started).
+
+It refuses a `--set` / `--alone-set` it cannot use in one line, before the phases that spend GPU
+time: a malformed item (a shell that passed the two characters '' instead of an empty argument) at
+once with exit 2, a value the teacher or the student would refuse once run.yaml exists (~5 s).
+`--profile --profile-source stream` profiles the student loop receiving a served spool as a stream
+(a distill-teacher without an engine), the path a student runs, not its own spool reads."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.slow  # CLI runs
 
@@ -61,3 +65,16 @@ def test_a_variant_the_student_would_refuse_is_named_before_the_alone_phase(tmp_
     assert "alone_runs" not in res and "alone_generate_rc" not in res  # no phase ran
     p = _run(tmp_path, "--skip-e2e", "--skip-bare", "--set", "student.lr=abc")  # the base run.yaml
     assert p.returncode == 1 and "gpu_e2e: run.yaml with --set: invalid config: 'student.lr'" in p.stderr
+
+
+def test_the_profile_over_a_served_stream_trains_every_synthetic_sample(tmp_path):
+    p = _run(tmp_path, "--skip-e2e", "--skip-bare", "--profile", "--profile-source", "stream")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT_JSON "))[12:])
+    assert res["status"] == "ok" and res["profile_source"] == "stream"
+    assert res["profile_samples"] == res["profile_synthetic_samples"] == 24, res
+    assert res["profile_ms_per_step"]["fill (source.get + batching)"] > 0
+    served = (tmp_path / "work" / "profile_teacher.log").read_text()
+    assert "committed 24/24" in served and "0 samples, 0 tokens" in served  # served, nothing generated
+    run = yaml.safe_load((tmp_path / "work" / "profile.yaml").read_text())
+    assert run["student"].get("mode", "stream") == "stream" and "spool_dir" not in run["student"]
