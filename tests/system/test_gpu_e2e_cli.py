@@ -24,7 +24,7 @@ BENCH = [sys.executable, str(ROOT / "benchmarks" / "gpu_e2e.py"), "--tiny"]
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*BENCH, "--work-dir", str(tmp_path / "work"), *args],
+        [*BENCH, "--work-dir", str(tmp_path / "work"), "--spool-dir", str(tmp_path / "spool"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
