@@ -154,11 +154,12 @@ def check_disjoint_once(trained: list, expected_keys: set[str]) -> dict[int, set
     return by_rank
 
 
-def loss_ratio(steps: list[dict], first: int = 5, last: int = 10) -> float:
-    """Median loss of the last `last` steps over the median of the first `first`: medians, since a
-    step of a few samples can be an outlier (one step of 2.04 among 1.2-1.5 in a run of 39)."""
-    a = statistics.median(s["loss"] for s in steps[:first])
-    b = statistics.median(s["loss"] for s in steps[-last:])
+def loss_ratio(steps: list[dict], first: int = 5, last: int = 10, term: str = "loss") -> float:
+    """Median `term` of the last `last` steps over its median of the first `first`: medians, since a
+    step of a few samples can be an outlier (one step of 2.04 among 1.2-1.5 in a run of 39; a last
+    step of 2 samples with nmse 1.65 where the first step had 1.19)."""
+    a = statistics.median(s[term] for s in steps[:first])
+    b = statistics.median(s[term] for s in steps[-last:])
     return b / a
 
 
@@ -210,7 +211,7 @@ def test_stream_two_ranks_disjoint_union_and_loss_falls(stream_run, assets):
     )
     assert ratio < 0.85, [round(s["loss"], 3) for s in m["steps"]]
     for term in ("nmse", "kl"):
-        assert m["steps"][-1][term] < m["steps"][0][term]
+        assert loss_ratio(m["steps"], term=term) < 1.0, [round(s[term], 3) for s in m["steps"]]
 
 
 def test_stream_outputs_loadable_model_projections_and_tensorboard(stream_run):
