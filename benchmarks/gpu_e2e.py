@@ -277,16 +277,16 @@ def main(argv=None) -> int:
             n = write_synthetic_spool(cfg_path, pspool, args.profile_samples)
             pcfg = json.loads(json.dumps(cfg))
             pcfg["student"]["output_dir"] = str(work / "profile_student")
+            pcfg_path = work / "profile.yaml"
             server = None
             if args.profile_source == "stream":  # served as the alone phase serves its spool
                 pcfg = profile_stream_config(pcfg, work, n, pspool)
-            else:
-                pcfg["student"].update(mode="spool", spool_dir=str(pspool))
-            pcfg_path = work / "profile.yaml"
-            pcfg_path.write_text(yaml.safe_dump(pcfg, sort_keys=False))
-            if args.profile_source == "stream":
+                pcfg_path.write_text(yaml.safe_dump(pcfg, sort_keys=False))
                 server = Proc("profile-teacher", [sys.executable, "-m", "teacher.cli", "--config", str(pcfg_path)],
                               work / "profile_teacher.log", env)  # fmt: skip
+            else:
+                pcfg["student"].update(mode="spool", spool_dir=str(pspool))
+                pcfg_path.write_text(yaml.safe_dump(pcfg, sort_keys=False))
             senv = dict(env)
             launcher = accelerate_launcher(pcfg["student"]["mixed_precision"])
             left = args.budget_s - (time.monotonic() - t_start) - 10
