@@ -129,9 +129,10 @@ class StudentConfig(Strict):
     # for kernels that plan per shape). None: 64 with cudnn_attention on a GPU, else 1 (no rounding).
     pad_to_multiple_of: int | None = Field(None, gt=0)
     # Threads that copy a micro-batch's teacher rows into the packed host batch, a sample each, once
-    # the rows come to 8 MiB (smaller batches: the loop's own thread). 1: the loop's thread only
-    # (the default until measured with a GPU student: benchmarks/gpu_e2e.py --alone-set).
-    collate_threads: int = Field(1, ge=1, le=64)
+    # the rows come to 8 MiB (smaller batches: the loop's own thread). 1: the loop's thread only.
+    # A GPU student reads about 8 KB a token from the ring, cold: one thread was the loop's limit
+    # (student/README.md, "Collating in threads").
+    collate_threads: int = Field(4, ge=1, le=64)
     # Let PyTorch's SDPA use cuDNN attention on a GPU. It builds a plan per new (batch, length)
     # shape, ~30 ms of CPU per layer (H200 profile), and token-budget batches rarely repeat a
     # shape; off, SDPA uses its flash / memory-efficient kernels.

@@ -81,10 +81,34 @@ class Batch:
             return any(n < self.mask.shape[1] for n in self.lengths)
         return not bool(self.mask.all())
 
-    def to(self, device, non_blocking: bool = True) -> Batch:
+    def to(self, device, non_blocking: bool = True, stream: torch.cuda.Stream | None = None) -> Batch:
         """This batch on `device`, padded. Copies from pinned host memory run asynchronously
-        (`non_blocking`); the caching host allocator keeps a pinned buffer until its copy is done."""
+        (`non_blocking`); the caching host allocator keeps a pinned buffer until its copy is done.
+
+        `stream` (a CUDA device; the training loop passes one): the copies, and the padding or fp8
+        dequantization that follows them, run on that stream, so they overlap the kernels already
+        queued on the current stream (the previous step's) instead of waiting behind them; the
+        current stream waits for them before anything it queues later reads the batch."""
         device = torch.device(device)
+        if stream is None or device.type != "cuda":
+            return self._moved(device, non_blocking)
+        current = torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            out = self._moved(device, non_blocking)
+        current.wait_stream(stream)
+        for t in out.device_tensors():  # allocated on `stream`, read and freed on `current`
+            t.record_stream(current)
+        return out
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this batch holds (with its packing's), for `record_stream`."""
+        ts = [self.input_ids, self.mask, self.teacher, self.loss_mask, self.held, self.scale]
+        if self.packing is not None:
+            p = self.packing
+            ts += [p.position_ids, p.cu_seqlens, p.ends]
+        return [t for t in ts if t is not None]
+
+    def _moved(self, device: torch.device, non_blocking: bool) -> Batch:
         ids = self.input_ids.to(device, non_blocking=non_blocking)
         mask = self.mask.to(device, non_blocking=non_blocking)
         if self.lengths is None:

@@ -162,6 +162,8 @@ class Trainer:
         # H200): off by default, SDPA then takes the flash / memory-efficient kernels, which need none.
         # With it on, lengths are rounded up to 64 by default (fewer distinct shapes).
         self.pin = on_gpu
+        # Host-to-device copies on their own stream: a batch uploads while the previous step computes.
+        self.upload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pad_to = cfg.pad_to_multiple_of or (64 if on_gpu and cfg.cudnn_attention else 1)
         window = cfg.length_window if credit is None else min(cfg.length_window, credit // 2)
         self.pack = cfg.batch_layout == "packed"  # no padding: the window is not used
@@ -328,7 +330,7 @@ class Trainer:
         batch = mb.batch if mb.batch is not None else empty_batch(b.layer_ids, b.teacher_hidden)
         boundary = self.micro + 1 >= self.cfg.grad_accum_steps
         weight = mb.tokens * self.world / mb.global_tokens
-        loss, terms = self.backward(batch.to(self.device), weight, sync=boundary)
+        loss, terms = self.backward(batch.to(self.device, stream=self.upload_stream), weight, sync=boundary)
         self.synced = boundary
         self.micro += 1
         self.pending.extend(mb.samples)

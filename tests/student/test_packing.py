@@ -217,3 +217,36 @@ def test_varlen_attention_on_a_gpu_matches_attention_per_sample():
     g2 = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an upload stream needs a CUDA device")
+def test_upload_stream_gives_the_same_batch_while_the_current_stream_is_busy():
+    """`Batch.to(stream=...)` (the loop's upload stream): packed, padded and fp8 batches arrive
+    equal to a plain upload, whichever stream is still busy: with the upload stream busy, a
+    current stream that did not wait for it would read the batch before its copies ran."""
+    dev = torch.device("cuda")
+    up = torch.cuda.Stream(dev)
+    half = [i % 2 for i in range(50)]
+    hosts = {
+        "packed": collate([sample("a", 50, 1, half), sample("b", 9, 2)], [2, 4], True, pack=True),
+        "padded": collate([sample("a", 50, 1), sample("b", 9, 2)], [2, 4], True),
+        "fp8": collate(
+            [quantized(sample("q", 40, 3)), quantized(sample("r", 7, 4))], [2, 4], True, pack=True
+        ),
+    }
+    busy = torch.randn(4096, 4096, device=dev)
+    for (name, host), busy_stream in zip(
+        [*hosts.items(), *hosts.items()], [up] * 3 + [torch.cuda.current_stream(dev)] * 3, strict=True
+    ):
+        ref = host.to(dev)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(busy_stream):  # queued ahead of the upload's copies, or of the reads
+            for _ in range(20):
+                busy = busy @ busy / 4096
+        got = host.to(dev, stream=up)
+        assert torch.cuda.current_stream(dev) != up
+        for a, b in zip(got.device_tensors(), ref.device_tensors(), strict=True):
+            assert a.device.type == "cuda"
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        if got.packing is not None:
+            assert got.packing.lengths == ref.packing.lengths
