@@ -178,7 +178,12 @@ def test_x3t_is_the_xxh3_of_the_4_mib_chunk_digests_of_each_tensor_in_order():
             leaves += xxhash.xxh3_64(raw[i : i + C]).intdigest().to_bytes(8, "little")
     assert len(leaves) == 8 * (3 + 0 + 1)
     want = xxhash.xxh3_64(leaves).intdigest()
-    assert P.sample_x3t(s) == want
+    assert P.sample_x3t(s) == want  # 4 leaves: hashed by D.LEAF_THREADS threads
+    saved, D.LEAF_THREADS = D.LEAF_THREADS, 1
+    try:
+        assert P.sample_x3t(s) == want  # one thread, in order: the same root
+    finally:
+        D.LEAF_THREADS = saved
     h, _ = P.sample_header(s, checksum="xxh3-tree")
     assert h["x3t"] == want and "x3" not in h and "crc" not in h
     # Collected piecewise, out of order, as the connector's copy threads do: the same root.
