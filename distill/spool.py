@@ -31,7 +31,7 @@ from distill.capture import positions_problem
 from distill.digest import digest_mismatch
 from distill.errors import SpoolChecksumError, SpoolFormatError
 from distill.fp8 import dequantize_sample
-from distill.protocol import Sample, sample_x3, tensor_bytes
+from distill.protocol import Sample, sample_x3t, tensor_bytes
 
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
@@ -78,7 +78,7 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
     }
     # A digest of the tensor bytes in order: a reader checks it (a damaged file is never used). The
     # digest the sample carries (xxh3 tree, xxh3-64, or CRC32 in files of earlier versions), else
-    # an xxh3-64 computed here (far cheaper than a CRC32).
+    # the xxh3 tree digest computed here (transport.checksum's default, its leaves hashed in parallel).
     if sample.x3t is not None:
         meta["x3t"] = str(sample.x3t)
     elif sample.x3 is not None:
@@ -86,7 +86,7 @@ def write_sample(directory: str | os.PathLike, sample: Sample) -> Path:
     elif sample.crc is not None:
         meta["crc"] = str(sample.crc)
     else:
-        meta["x3"] = str(sample_x3(sample))
+        meta["x3t"] = str(sample_x3t(sample))
     tensors = {k: v.contiguous() for k, v in sample.tensors.items()}
     try:
         save_file(tensors, str(tmp), metadata=meta)

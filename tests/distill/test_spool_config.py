@@ -48,8 +48,8 @@ def test_tensor_order_and_digest_survive_the_file(tmp_path):
     )
     out = read_spool_file(write_sample(tmp_path, s))  # raised SpoolChecksumError before
     assert list(out.tensors) == ["token_ids", "hidden_states", "loss_mask"]
-    # A sample without a digest gets an xxh3-64 (the cheaper one) in its file.
-    assert out.x3 == sample_x3(s) == sample_x3(out) and out.crc is None and out.x3t is None
+    # A sample without a digest gets the xxh3 tree digest (the default checksum) in its file.
+    assert out.x3t == sample_x3t(s) == sample_x3t(out) and out.crc is None and out.x3 is None
 
 
 def _spool_sample(**kw) -> Sample:
@@ -99,6 +99,13 @@ def test_spool_file_keeps_the_samples_tree_digest_and_rejects_damage(tmp_path):
     _flip_last_byte(p)
     with pytest.raises(SpoolChecksumError, match="xxh3 tree"):
         read_spool_file(p)
+    # A sample without a digest (a `checksum: none` teacher) gets the tree digest in its file.
+    bare = write_sample(tmp_path / "none", _spool_sample())
+    assert _file_metadata(bare)["x3t"] == str(sample_x3t(_spool_sample()))
+    assert read_spool_file(bare).x3t == sample_x3t(_spool_sample())
+    _flip_last_byte(bare)
+    with pytest.raises(SpoolChecksumError, match="xxh3 tree"):
+        read_spool_file(bare)
 
 
 def test_crc_only_spool_files_still_read_and_verify(tmp_path):

@@ -427,7 +427,7 @@ def test_damaged_spool_file_is_set_aside_not_delivered(tmp_path):
     cfg = _cfg(tmp_path, shm="off")
     with Publisher(cfg, SpoolConfig(dir=str(spool))) as pub, Subscriber(cfg) as sub:
         s = sub.get(timeout=10)
-        assert s is not None and s.key == "k001" and s.x3 is not None  # the file's, carried on
+        assert s is not None and s.key == "k001" and s.x3t is not None  # the file's, carried on
         sub.ack(s)
         assert sub.get(timeout=1.0) is None
         assert wait_until(lambda: pub.stats()["rejected_by_reason"].get("spool_file") == 1, 10), pub.stats()

@@ -78,7 +78,7 @@ def test_frames_and_spool_files_hand_back_the_model_dtype(tmp_path):
     # Spool: the file holds fp8 (what a replaying Publisher forwards), read_spool_file the model dtype.
     p = write_sample(tmp_path, s)
     raw, _ = read_spool_into(p)
-    assert raw.tensors["hidden_states"].dtype == torch.float8_e4m3fn and raw.x3 is not None
+    assert raw.tensors["hidden_states"].dtype == torch.float8_e4m3fn and raw.x3t is not None
     back = read_spool_file(p)
     assert back.tensors["hidden_states"].dtype == torch.bfloat16 and fp8.SCALE_KEY not in back.tensors
     assert torch.equal(back.tensors["hidden_states"], out.tensors["hidden_states"])
