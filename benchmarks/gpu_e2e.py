@@ -20,6 +20,10 @@ One command. It
    distill-teacher without an engine) with timers around each phase (fill, collate, host-to-device
    copy, forward + loss, backward, collectives, optimizer) plus a torch.profiler window: where the
    student's time goes;
+6. with `--spy`, samples every student it runs (shared and alone) with py-spy while it trains, not
+   stopping it (benchmarks/benchlib/spy.py): `spy` in that run's figures gives the training loop's
+   time by Trainer step, its waits for the collate threads and for samples, and the subscriber's
+   and collate threads' busy shares (what the overlapped loop is bound by, unlike `--profile`);
 
 and ends with one line `RESULT_JSON {...}`:
 
@@ -75,6 +79,7 @@ from benchlib.procs import (  # noqa: E402
     run_child,
 )
 from benchlib.runfile import build_assets, check_variants, parse_sets, run_config  # noqa: E402
+from benchlib.spy import py_spy  # noqa: E402
 from benchlib.student_probe import (  # noqa: E402
     child_loop_probe,
     child_profile_student,
@@ -140,6 +145,12 @@ def parse_args(argv=None):
     p.add_argument("--bare-max-s", type=float, default=60.0, help="most seconds of bare-loop timing")
     p.add_argument("--profile", action="store_true", help="also time the student loop's phases")
     p.add_argument(
+        "--spy",
+        action="store_true",
+        help="sample every student run (shared and alone) with py-spy, 100 Hz: `spy` in its figures "
+        "says where the training loop's time goes and how busy the subscriber and collate threads are",
+    )
+    p.add_argument(
         "--probe",
         action="store_true",
         help="also: the real student loop fed from memory (no teacher, no source cost), once per "
@@ -186,6 +197,10 @@ def main(argv=None) -> int:
         parse_sets(args.alone_set or [])
     except ValueError as e:
         print(f"gpu_e2e: --set/--alone-set: {e}", file=sys.stderr)
+        return 2
+    args.spy_exe = py_spy() if args.spy else None
+    if args.spy and args.spy_exe is None:
+        print("gpu_e2e: --spy needs py-spy (`pip install py-spy`): not on PATH", file=sys.stderr)
         return 2
     if args.rows is None:
         args.rows = 48 if args.tiny else 3000

@@ -15,6 +15,7 @@ from pathlib import Path
 from benchlib.e2e_results import STEP_LINE, read_results
 from benchlib.procs import REPO, Proc, accelerate_launcher, child_env, free_port, log
 from benchlib.runfile import apply_sets, use_port
+from benchlib.spy import Spy, rank_pid
 from benchlib.student_probe import write_synthetic_spool
 
 ENGINE_READY = re.compile(rb"init engine \(profile")
@@ -41,6 +42,7 @@ def run_e2e(args, work: Path, cfg_path: Path, cfg: dict, res: dict) -> None:
     res["cmd_student"] = " ".join(student_cmd[1:])
     res["cmd_teacher"] = " ".join(teacher_cmd[1:])
     log(f"teacher pid {teacher.p.pid}, student pid {student.p.pid}; logs {work}/teacher.log student.log")
+    spy = None  # --spy: py-spy on the student's rank once it runs
     t_gen = t_bar = None
     pos = 0
     ended_well_at = None
@@ -62,6 +64,10 @@ def run_e2e(args, work: Path, cfg_path: Path, cfg: dict, res: dict) -> None:
             rt, rs = teacher.poll(), student.poll()
             if rt is not None and rs is not None:
                 break
+            if args.spy and spy is None and rs is None:
+                pid = rank_pid(student.p.pid)
+                if pid is not None:
+                    spy = Spy(args.spy_exe, pid, work / "spy_student.txt")
             t_ok = rt in (0, 4)  # 4: the teacher finished with bad rows skipped
             t_bad = rt is not None and not t_ok
             s_bad = rs not in (None, 0)
@@ -90,6 +96,8 @@ def run_e2e(args, work: Path, cfg_path: Path, cfg: dict, res: dict) -> None:
     finally:
         teacher.stop(signal.SIGINT, grace=20)
         student.stop(signal.SIGTERM, grace=10)
+    if args.spy:
+        res["spy"] = spy.finish() if spy is not None else {"error": "the student's rank was never seen"}
     res["e2e_end_reason"] = reason
     res["teacher_rc"] = teacher.p.returncode
     res["t_teacher_exit"] = teacher.t_end
@@ -123,6 +131,7 @@ ALONE_KEYS = (
     "e2e_end_reason",
     "student_first_step_after_launch_s",
     "student_loss_first_last",
+    "spy",
 )
 
 

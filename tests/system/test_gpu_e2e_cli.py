@@ -78,3 +78,19 @@ def test_the_profile_over_a_served_stream_trains_every_synthetic_sample(tmp_path
     assert "committed 24/24" in served and "0 samples, 0 tokens" in served  # served, nothing generated
     run = yaml.safe_load((tmp_path / "work" / "profile.yaml").read_text())
     assert run["student"].get("mode", "stream") == "stream" and "spool_dir" not in run["student"]
+
+
+def test_spy_without_py_spy_exits_2_in_one_line(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from benchlib.spy import py_spy
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    if py_spy() is not None:
+        pytest.skip("py-spy is installed here: the refusal cannot be seen")
+    p = _run(tmp_path, "--spy")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "gpu_e2e: --spy needs py-spy (`pip install py-spy`): not on PATH"
+    ]
+    assert not (tmp_path / "work").exists()  # nothing built
