@@ -87,10 +87,11 @@ class TransportConfig(Strict):
     # the spool file, verified by every receiver (mismatch: rejected, counted, sent again).
     # xxh3-tree (the default): an xxh3-64 of 4 MiB chunk digests, hashed in parallel by the
     # connector's copy threads once the sample is out of pinned memory (off the engine's path);
-    # a receiver checks a sample's chunks with 4 threads. xxh3: one xxh3-64 pass over all bytes on the connector's sender thread. crc32: zlib's CRC32 (slow: ~1.5 GB/s on
-    # one core). none: no payload digest on the wire (ring-slot stamps still catch stale shared
-    # memory; spool files always carry a digest). A default on the data path changes only with
-    # the teacher and end-to-end GPU benchmarks run on the new one (BENCHMARKS.md).
+    # a receiver checks a sample's chunks with 4 threads. xxh3: one xxh3-64 pass over all bytes
+    # on the connector's sender thread. crc32: zlib's CRC32 (slow: ~1.5 GB/s on one core). none:
+    # no payload digest on the wire (ring-slot stamps still catch stale shared memory; spool files
+    # always carry a digest). A default on the data path changes only with the teacher and
+    # end-to-end GPU benchmarks run on the new one (BENCHMARKS.md).
     checksum: Literal["none", "crc32", "xxh3", "xxh3-tree"] = "xxh3-tree"
     # Student side: raise glibc's mmap/trim thresholds so large received frames reuse warm heap
     # memory instead of a fresh mmap per sample (distill.transport.tune_malloc).
