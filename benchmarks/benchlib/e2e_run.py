@@ -14,7 +14,7 @@ from pathlib import Path
 
 from benchlib.e2e_results import STEP_LINE, read_results
 from benchlib.procs import REPO, Proc, accelerate_launcher, child_env, free_port, log
-from benchlib.runfile import apply_sets, use_port
+from benchlib.runfile import apply_sets, use_port, variant_label
 from benchlib.spy import Spy, rank_pid
 from benchlib.student_probe import write_synthetic_spool
 
@@ -215,7 +215,7 @@ def run_alone(args, work: Path, cfg: dict, spool: str, expected: list[str], res:
         shutil.rmtree(aspool, ignore_errors=True)
         figures = {k: sub.get(k) for k in ALONE_KEYS}
         figures.update(ring_full(aw / "teacher.log"))
-        runs.append({"variant": variant or "defaults", **figures})
+        runs.append({"variant": variant_label(variant, args.set), **figures})
         log(
             f"alone [{runs[-1]['variant']}]: student {figures['student_tok_s']} tok/s, trained {figures['samples_trained']}"
         )

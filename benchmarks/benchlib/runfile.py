@@ -261,3 +261,12 @@ def run_config(args, work: Path, teacher: Path, data: Path, port: int, spool: st
         )
     apply_sets(cfg, args.set)
     return cfg
+
+
+def variant_label(variant: str, base_sets: list[str]) -> str:
+    """How an alone variant is named in the figures and the log: its settings, and the run's own
+    `--set` items under it ('' is the defaults only when no `--set` changed them)."""
+    if not base_sets:
+        return variant or "defaults"
+    base = "--set " + ",".join(base_sets)
+    return f"{variant} (over {base})" if variant else base

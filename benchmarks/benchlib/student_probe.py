@@ -14,7 +14,7 @@ from pathlib import Path
 
 from benchlib.bare_loop import token_lengths
 from benchlib.procs import accelerate_launcher, free_port, log, run_child
-from benchlib.runfile import apply_sets, use_port
+from benchlib.runfile import apply_sets, use_port, variant_label
 
 
 def write_synthetic_spool(cfg_path: Path, spool: Path, n: int) -> int:
@@ -122,7 +122,7 @@ def run_probe(args, work: Path, cfg: dict, spool: str, env: dict, res: dict, dea
         r = run_child(
             args, "loop-probe", ["--config", str(ppath)], env, left, work / f"probe_{i}.log", launcher
         )
-        r["variant"] = v or "defaults"
+        r["variant"] = variant_label(v, args.set)
         out.append(r)
         log(f"probe {r['variant']}: {r.get('probe_loop_tok_s')} tok/s")
     res["probe"] = out

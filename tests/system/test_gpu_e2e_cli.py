@@ -94,3 +94,19 @@ def test_spy_without_py_spy_exits_2_in_one_line(tmp_path):
         "gpu_e2e: --spy needs py-spy (`pip install py-spy`): not on PATH"
     ]
     assert not (tmp_path / "work").exists()  # nothing built
+
+
+def test_an_alone_variant_is_named_with_the_runs_own_sets():
+    """'' is "defaults" only when no --set changed the run; a variant names the sets under it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from benchlib.runfile import variant_label
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert variant_label("", []) == "defaults"
+    assert variant_label("student.collate_threads=1", []) == "student.collate_threads=1"
+    sets = ["student.batch_layout=padded", "transport.shm=off"]
+    assert variant_label("", sets) == "--set student.batch_layout=padded,transport.shm=off"
+    assert variant_label("student.collate_threads=1", sets) == (
+        "student.collate_threads=1 (over --set student.batch_layout=padded,transport.shm=off)"
+    )
