@@ -7,6 +7,7 @@ Sample.
 
 from __future__ import annotations
 
+import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,16 @@ def _pool() -> ThreadPoolExecutor:
         if _leaf_pool is None:
             _leaf_pool = ThreadPoolExecutor(LEAF_THREADS, thread_name_prefix="distill-digest")
         return _leaf_pool
+
+
+def _new_pool_in_child() -> None:
+    """A forked child (vLLM may fork its engine core from the teacher) has none of the parent's
+    threads: a pool inherited with them would take work and never run it. The child makes its own."""
+    global _leaf_pool, _leaf_lock
+    _leaf_pool, _leaf_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pool_in_child)
 
 
 class ChunkDigests:
