@@ -127,10 +127,12 @@ def test_endpoints_scraped_during_and_at_the_end_match_the_summaries(spooled, tm
         assert students.poll() is None, slog.read_text()[-3000:]
 
     # During the run: every endpoint answers and counts.
-    seen = {}
+    seen, peak = {}, [0.0]
 
     def flowing() -> bool:
         seen["t"], seen[0], seen[1] = scrape(tport), scrape(sport), scrape(sport + 1)
+        if seen["t"]:  # a rank may end its share (and close) before both trained at one scrape:
+            peak[0] = max(peak[0], one(seen["t"], "distill_students_connected"))  # so, the peak
         if not all(seen.values()):
             return False
         return one(seen["t"], "distill_samples_acked_total") > 0 and all(
@@ -156,7 +158,7 @@ def test_endpoints_scraped_during_and_at_the_end_match_the_summaries(spooled, tm
     for name in ("distill_samples_in_spool", "distill_credit_window", "distill_students_connected"):
         assert types[name] == "gauge", (name, types.get(name))
     assert one(t, "distill_teacher_phase", phase="serve") == 1 and one(t, "distill_dataset_samples") == N
-    assert one(t, "distill_students_connected") == 2
+    assert peak[0] == 2  # distill_students_connected: both ranks at some scrape, never more
     for r in (0, 1):
         s = seen[r]
         assert s["__type__"]["distill_samples_trained_total"] == "counter"
