@@ -252,8 +252,10 @@ def _student_run(tmp_path, capsys, model, spool) -> dict:
         "teacher_model": str(model),
         "layer_map": [{"student_layer": 1, "teacher_layer": 2}],
         "losses": {"mse": 1.0, "kl": 1.0, "ce": 1.0},
-        "max_tokens_per_batch": 256,
-        "idle_flush_s": 60,  # batches cut by the token budget only, never by arrival timing
+        # One sample a step: a step's samples never depend on arrival timing (a rank that had a
+        # backlog takes what has arrived), so both runs' steps see the same samples.
+        "max_samples_per_batch": 1,
+        "idle_flush_s": 60,
         "seed": 0,
     }  # fmt: skip
     tcfg = TransportConfig(bind=[ep], connect=[ep], shm_dir=str(tmp_path))
@@ -297,4 +299,5 @@ def test_a_student_trains_on_an_fp8_stream_as_on_its_dequantized_values(tmp_path
         assert src["shm_samples"] == src["received"] == 12 and src["rejected"] == 0, src
         runs.append(([e[0] for e in m["trained"]], [round(st["loss"], 5) for st in m["steps"]]))
     assert runs[0][0] == runs[1][0], "the same samples in the same order"
+    assert len(runs[0][1]) == 12, "a step per sample"
     assert runs[0][1] == runs[1][1] and all(torch.isfinite(torch.tensor(runs[0][1])))
