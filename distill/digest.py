@@ -39,10 +39,15 @@ def xxh3_of(buffers: list) -> int:
     return h.intdigest()
 
 
+def _chunks(buf, chunk: int = DIGEST_CHUNK) -> list[memoryview]:
+    """One tensor's bytes as `chunk`-byte pieces (the last shorter; none when empty)."""
+    mv = memoryview(buf).cast("B")
+    return [mv[i : i + chunk] for i in range(0, mv.nbytes, chunk)]
+
+
 def chunk_digests(buf, chunk: int = DIGEST_CHUNK) -> list[int]:
     """xxh3-64 of each `chunk`-byte piece of one tensor's bytes (the leaves of `x3t`)."""
-    mv = memoryview(buf).cast("B")
-    return [xxhash.xxh3_64_intdigest(mv[i : i + chunk]) for i in range(0, mv.nbytes, chunk)]
+    return [xxhash.xxh3_64_intdigest(p) for p in _chunks(buf, chunk)]
 
 
 def x3t_combine(leaves: list[int]) -> int:
@@ -53,10 +58,7 @@ def x3t_combine(leaves: list[int]) -> int:
 def x3t_of(buffers: list) -> int:
     """xxh3 tree digest of the buffers (one per tensor, in order): what `x3t` in a header means.
     Several leaves are hashed by LEAF_THREADS threads (the same digest)."""
-    pieces = []
-    for b in buffers:
-        mv = memoryview(b).cast("B")
-        pieces += [mv[i : i + DIGEST_CHUNK] for i in range(0, mv.nbytes, DIGEST_CHUNK)]
+    pieces = [p for b in buffers for p in _chunks(b)]
     if len(pieces) > 1 and LEAF_THREADS > 1:
         leaves = list(_pool().map(xxhash.xxh3_64_intdigest, pieces))
     else:
