@@ -10,6 +10,7 @@ optimizer step that used them.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -260,6 +261,16 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         if threads not in _pools:
             _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="distill-collate")
         return _pools[threads]
+
+
+def _new_pools_in_child() -> None:
+    """A forked child has none of the parent's threads: a pool inherited with them would take the
+    copies and never run them (collate would hang). The child makes its own."""
+    global _pools, _pools_lock
+    _pools, _pools_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pools_in_child)
 
 
 def _run_copies(copies: list[Callable[[], object]], nbytes: int, threads: int) -> None:

@@ -150,6 +150,50 @@ def test_collate_pads_masks_selects_layers_and_copies():
     assert host.teacher[:5].abs().sum() > 0 and batch.teacher[0].abs().sum() > 0
 
 
+def test_collate_in_threads_in_a_child_forked_after_the_parent_collated_with_them():
+    """A forked child inherits none of the pool's threads: its collate must use a pool of its own
+    (an inherited one takes the copies and never runs them). In a fresh interpreter with one OpenMP
+    thread, as under `accelerate launch` (libgomp itself does not survive a fork after use)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import os, select, signal, threading, torch
+from distill.protocol import Sample
+from student import data as D
+S = [Sample(f"k{i}", {"hidden_states": torch.randn(1024, 2, 1024), "token_ids": torch.arange(1024)},
+            [2, 4], {}) for i in range(4)]  # 32 MiB of rows: over PARALLEL_COLLATE_BYTES
+want = D.collate(S, [2, 4], threads=4).teacher.sum().item()
+met = threading.Barrier(5)  # the parent's pool has all its 4 threads (at once: none idle to reuse)
+for _ in range(4):
+    D._pool(4).submit(met.wait, 30)
+met.wait(30)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.write(w, str(D.collate(S, [2, 4], threads=4).teacher.sum().item()).encode())
+    finally:
+        os._exit(0)
+os.close(w)
+ready, _, _ = select.select([r], [], [], 30)  # bounded: a hung child is a failure, not a hang
+got = os.read(r, 64).decode() if ready else "no answer in 30 s"
+if not ready:
+    os.kill(pid, signal.SIGKILL)
+os.waitpid(pid, 0)
+print(got == str(want), got)
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    same, got = p.stdout.strip().split(maxsplit=1)
+    assert same == "True", f"the forked child's collate: {got}"
+
+
 def test_collate_in_threads_gives_bitwise_the_batch_of_one_thread(monkeypatch):
     """student.collate_threads: each sample's rows copied by a pool thread land exactly where the
     loop's own thread puts them: whole samples in either layer order, a sample holding some
