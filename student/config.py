@@ -133,6 +133,11 @@ class StudentConfig(Strict):
     # A GPU student reads about 8 KB a token from the ring, cold: one thread was the loop's limit
     # (student/README.md, "Collating in threads").
     collate_threads: int = Field(4, ge=1, le=64)
+    # Fill the next micro-batch (wait for its samples, check and collate them) in a thread of its
+    # own while this one's forward, backward and optimizer step run on the loop's thread, instead
+    # of between them. The loop's collectives, acks and exactly-once decisions are unchanged; the
+    # next batch counts this one's samples as held against the credit window until they are acked.
+    fill_ahead: bool = False
     # Let PyTorch's SDPA use cuDNN attention on a GPU. It builds a plan per new (batch, length)
     # shape, ~30 ms of CPU per layer (H200 profile), and token-budget batches rarely repeat a
     # shape; off, SDPA uses its flash / memory-efficient kernels.

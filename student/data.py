@@ -658,21 +658,27 @@ class TokenBudgetBatcher:
 
 
 def next_micro_batch(
-    source, batcher: TokenBudgetBatcher, idle_flush_s: float, held: int = 0, credit: int | None = None
+    source,
+    batcher: TokenBudgetBatcher,
+    idle_flush_s: float,
+    held: int | Callable[[], int] = 0,
+    credit: int | None = None,
 ) -> list[Sample]:
     """Fill one micro-batch from `source`; [] when nothing came within `idle_flush_s` (or at the end).
 
     Returns as soon as the batch is full, the source is draining/exhausted, no more can come (this
     rank holds `held` unacked samples besides the batch, and `credit` is the most the teacher lets it
-    hold), or no sample arrived for `idle_flush_s` seconds (a partial batch is better than a stalled
-    collective step). With `idle_flush_s` 0 (see `idle_wait_s`) it never waits: it takes the
+    hold; a callable `held` is asked again at every check: another thread acks while this one
+    fills), or no sample arrived for `idle_flush_s` seconds (a partial batch is better than a
+    stalled collective step). With `idle_flush_s` 0 (see `idle_wait_s`) it never waits: it takes the
     samples that have already arrived, up to a full batch, and returns them (possibly none).
     `batcher.filled` says afterwards whether the batch was full (or no more could come): a backlog.
     """
     batcher.filled = False
 
     def capped() -> bool:
-        return credit is not None and held + len(batcher.pending) >= credit
+        unacked = held() if callable(held) else held
+        return credit is not None and unacked + len(batcher.pending) >= credit
 
     def done(batch: list[Sample], filled: bool) -> list[Sample]:
         batcher.filled = filled and bool(batch)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,7 @@ class Trainer:
         self.trained_h = HashSet(key_hash(k) for k in ledger.keys())
         self.claimed_h: set[int] = set()
         self.pending: list[Sample] = []  # samples whose gradients are accumulated; acked after the step
+        self.in_hand: list[Sample] = []  # this micro-batch's samples until forward_backward
         self.dup_wait: list[Sample] = []  # dropped duplicates: acked after the next step, never trained
         self.micro = 0  # micro-batches accumulated since the last optimizer step
         self.synced = True  # was the last backward outside no_sync (gradients all-reduced)?
@@ -186,10 +188,11 @@ class Trainer:
         self.wait_mark = source.wait_s
         self.anyone_backlogged = False  # last iteration: decides whether a rank may wait for samples
         self.gone: str | None = None  # why the teacher is gone (some rank heard nothing)
-        self.counts = {"stale": 0, "duplicates": 0}
+        self.counts = {"stale": 0, "duplicates": 0, "ahead": 0}  # ahead: micro-batches filled ahead
         self.trained_here = self.tokens_here = 0  # this rank, this process (student/exporter.py)
         self.layers_noted = False  # the unused-layers hint is logged once
         self.capped_said = False  # and the credit-window hint
+        self.ahead: Ahead | None = None  # the next micro-batch's fill, running (student.fill_ahead)
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -197,22 +200,50 @@ class Trainer:
         """Train until every rank is done, max_steps, or a failure; every rank takes the same path."""
         cfg = self.cfg
         stop = cfg.max_steps is not None and self.step >= cfg.max_steps
-        while not stop:
-            mb = self.fill()  # 1. this rank's micro-batch (possibly empty)
-            flags = self.agree_flags(mb)  # 2. collective: proposals, done, failed, idle, END
-            if self.gone is not None:
-                break
-            self.agree_keys(mb, flags)  # 3. collective when anyone proposes: who trains which key
-            if mb.global_tokens:
-                self.forward_backward(mb)  # 4. DDP all-reduces at the accumulation boundary
-            if self.micro and (self.micro >= cfg.grad_accum_steps or not mb.global_tokens or flags.all_done):
-                self.optimizer_step()  # 5. then acks, metrics, a checkpoint every N steps
-                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+        try:
+            while not stop:
+                mb = self.take_ahead()  # 1. this rank's micro-batch (possibly empty): filled ahead,
+                mb = mb if mb is not None else self.fill()  # or now
+                flags = self.agree_flags(mb)  # 2. collective: proposals, done, failed, idle, END
+                if self.gone is not None:
                     break
-            self.settle(flags)  # 6. acks of dropped duplicates; drain checkpoint or commit
-            if flags.all_done:
-                break
+                self.agree_keys(mb, flags)  # 3. collective when anyone proposes: who trains which key
+                self.in_hand = mb.samples
+                if cfg.fill_ahead and not flags.all_done:  # 1. of the next iteration, from now on
+                    self.ahead = Ahead(self.fill, self.device)
+                if mb.global_tokens:
+                    self.forward_backward(mb)  # 4. DDP all-reduces at the accumulation boundary
+                self.in_hand = []
+                if self.micro and (
+                    self.micro >= cfg.grad_accum_steps or not mb.global_tokens or flags.all_done
+                ):
+                    self.optimizer_step()  # 5. then acks, metrics, a checkpoint every N steps
+                    if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                        break
+                self.settle(flags)  # 6. acks of dropped duplicates; drain checkpoint or commit
+                if flags.all_done:
+                    break
+        finally:
+            # Stopping (max_steps, a failure): a fill running ahead ends within its own bounds; what
+            # it took stays unacked, and the teacher sends it again (to this run or the next).
+            self.take_ahead(wait_only=True)
         self.wind_down()
+
+    def take_ahead(self, wait_only: bool = False) -> Micro | None:
+        """The micro-batch a fill running ahead made (None: none runs). `wait_only`: only end it."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        if wait_only:
+            ahead.join()
+            return None
+        self.counts["ahead"] += 1
+        return ahead.result()
+
+    def unacked(self) -> int:
+        """Samples this rank holds outside the batcher and has not acked: what they take of the
+        credit window. A fill running ahead asks again at every check (this thread acks meanwhile)."""
+        return len(self.pending) + len(self.dup_wait) + len(self.in_hand)
 
     # --- 1. fill -------------------------------------------------------------------------------------
 
@@ -222,9 +253,8 @@ class Trainer:
         must learn of it in collective 1."""
         b = self.built
         try:
-            held = len(self.pending) + len(self.dup_wait)  # unacked samples outside the batch
             wait = idle_wait_s(self.cfg.idle_flush_s, self.anyone_backlogged)
-            mb = Micro(next_micro_batch(self.source, self.batcher, wait, held, self.credit))
+            mb = Micro(next_micro_batch(self.source, self.batcher, wait, self.unacked, self.credit))
             for s in mb.samples:
                 check_sample(s, b.layer_ids, b.teacher_hidden, partial_ok=b.recipe.partial_positions)
             if mb.samples and not self.layers_noted:
@@ -334,6 +364,7 @@ class Trainer:
         self.synced = boundary
         self.micro += 1
         self.pending.extend(mb.samples)
+        self.in_hand = []
         if mb.tokens:  # device-side sums: no host synchronisation here
             self.metrics.add(loss, terms, mb.tokens)
         self.step_tokens += mb.global_tokens
@@ -470,6 +501,7 @@ class Trainer:
             **self.source.stats(),
             "dropped_stale": counts["stale"],
             "dropped_duplicates": counts["duplicates"],
+            "filled_ahead": counts["ahead"],
         }
         source_stats = gather_object([stats])  # one dict per rank
         acc.wait_for_everyone()
@@ -522,3 +554,35 @@ class Trainer:
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t, group=self.ctl_group)
         return torch.stack(out)
+
+
+class Ahead:
+    """`fill` in a thread of its own (`student.fill_ahead`): `result()` waits for its micro-batch
+    and raises what it raised; `join()` only waits. A daemon thread: a fill waits for samples for
+    at most idle_flush_s at a time, and nothing of the run's state outlives the process."""
+
+    def __init__(self, fill, device: torch.device):
+        self._out: Micro | None = None
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fill, device), name="distill-fill-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fill, device: torch.device) -> None:
+        try:
+            if device.type == "cuda":  # pinned buffers from this rank's device, not a context on GPU 0
+                torch.cuda.set_device(device)
+            self._out = fill()
+        except BaseException as e:  # handed to the loop's thread by result()
+            self._err = e
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Micro:
+        self.join()
+        if self._err is not None:
+            raise self._err
+        assert self._out is not None
+        return self._out

@@ -360,13 +360,15 @@ def test_idle_wait_rule_no_crawling_tail():
     assert 0.25 < time.monotonic() - t0 < 1.0
 
 
-def test_micro_batch_stops_waiting_when_credit_is_used_up():
+@pytest.mark.parametrize("held", [5, lambda: 5], ids=["count", "asked"])
+def test_micro_batch_stops_waiting_when_credit_is_used_up(held):
     """A rank holding as many unacked samples as its credit allows gets no more: waiting for a
-    fuller batch would only stall every step by idle_flush_s (e.g. with gradient accumulation)."""
+    fuller batch would only stall every step by idle_flush_s (e.g. with gradient accumulation).
+    `held` as a number, or asked at every check (a fill running ahead of the loop's acks)."""
     b = TokenBudgetBatcher(max_tokens=1000)
     src = _Backlog([sample(f"k{i}", 4) for i in range(3)], [sample("late", 4)])
     t0 = time.monotonic()
-    got = next_micro_batch(src, b, 5.0, held=5, credit=8)
+    got = next_micro_batch(src, b, 5.0, held=held, credit=8)
     assert [s.key for s in got] == ["k0", "k1", "k2"] and b.filled
     assert time.monotonic() - t0 < 1.0
     assert b.capped == 1  # counted: the trainer hints at a larger credit window after 20 of these
@@ -725,12 +727,14 @@ def test_shipped_configs_load_and_start_with_their_command(path):
 
 
 @pytest.mark.slow
-def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_reference(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["fill", "fill_ahead"])
+def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_reference(tmp_path, ahead):
     """The collective step logic, checked exactly: 2 ranks, grad_accum_steps=2, one sample per
     micro-batch, 5 files (rank 0 gets 3, rank 1 gets 2: the last micro-batch has a zero-weight rank
     and the last step is a partial flush). With SGD and equal-length samples every step must equal
     plain gradient descent on the mean loss of its micro-batches, each micro-batch the mean over its
-    samples. The reference replays that in one process from the ledger and compares the weights."""
+    samples. The reference replays that in one process from the ledger and compares the weights.
+    The same with `student.fill_ahead` (each micro-batch filled while the previous one trains)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -745,11 +749,13 @@ def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_re
         write_sample(spool, s)
     student = {**TINY_STUDENT, "mode": "spool", "spool_dir": str(spool), "optimizer": "sgd", "lr": 0.5,
                "max_grad_norm": 0.0, "grad_accum_steps": 2, "max_samples_per_batch": 1,
-               "losses": {"mse": 1.0, "cosine": 1.0, "nmse": 0.0}}  # fmt: skip
+               "losses": {"mse": 1.0, "cosine": 1.0, "nmse": 0.0}, "fill_ahead": ahead}  # fmt: skip
     proc = run_student(tmp_path, student, nproc=2, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert m["summary"]["steps"] == 2 and sorted(e[0] for e in m["trained"]) == sorted(samples)
+    ahead_counts = [st["filled_ahead"] for st in m["summary"]["source_stats"]]
+    assert ahead_counts == ([3, 3] if ahead else [0, 0])  # micro-batches 2-4 (then all done)
 
     cfg, _ = load_student_config(str(tmp_path / "run.yaml"))
     ref = DistillModel(load_student(cfg), [(1, 2)], 8, "auto")  # same seed, same init order
@@ -780,18 +786,21 @@ def test_two_ranks_with_accumulation_and_uneven_shares_match_a_single_process_re
 
 
 @pytest.mark.slow
-def test_two_ranks_given_the_same_keys_train_each_once(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["fill", "fill_ahead"])
+def test_two_ranks_given_the_same_keys_train_each_once(tmp_path, ahead):
     """Both ranks receive copies of the same keys (as after a redelivery): in the same micro-step
     the lower rank trains it, in a later one nobody does. Spool files named f00..f09 go to the ranks
     alternately (rank r takes files r, r+2, ...), one sample per micro-batch, so the schedule is
-    known: micro-step m has rank 0's file 2m and rank 1's file 2m+1."""
+    known: micro-step m has rank 0's file 2m and rank 1's file 2m+1 (with `student.fill_ahead` too:
+    the next micro-batch is filled while this one trains, from the same files)."""
     keys = ["k0", "k0", "k1", "k2", "k3", "k1", "k2", "k4", "k5", "k6"]  # file i holds keys[i]
     spool = tmp_path / "spool"
     spool.mkdir()
     for i, k in enumerate(keys):
         written = write_sample(tmp_path / "w" / str(i), sample(k, 6, layers=(2, 4), seed=i))
         written.rename(spool / f"f{i:02d}.safetensors")
-    student = {**TINY_STUDENT, "mode": "spool", "spool_dir": str(spool), "max_samples_per_batch": 1}
+    student = {**TINY_STUDENT, "mode": "spool", "spool_dir": str(spool), "max_samples_per_batch": 1,
+               "fill_ahead": ahead}  # fmt: skip
     proc = run_student(tmp_path, student, nproc=2, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
@@ -802,6 +811,7 @@ def test_two_ranks_given_the_same_keys_train_each_once(tmp_path):
     assert by_rank == {0: ["k0", "k1", "k3", "k5"], 1: ["k2", "k4", "k6"]}, m["trained"]
     dropped = [st["dropped_duplicates"] for st in m["summary"]["source_stats"]]
     assert dropped == [1, 2]
+    assert [st["filled_ahead"] for st in m["summary"]["source_stats"]] == ([5, 5] if ahead else [0, 0])
     assert sum(st["samples"] for st in m["steps"]) == 7
 
 

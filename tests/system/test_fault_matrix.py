@@ -258,13 +258,13 @@ def wait_students(s, timeout: float) -> int | None:
 
 
 def _frozen_rank_row(
-    row, procs, tmp, tiny_teacher, texts, *, shm: str, frozen_ranks, freeze_s, n, transport=None
+    row, procs, tmp, tiny_teacher, texts, *, shm: str, frozen_ranks, freeze_s, n, transport=None, student=None
 ):
     data, expected = dataset(tmp, texts, n)
     # A 1 MiB ring (~30 samples) wraps many times in a run: slots of samples a frozen rank still
     # holds are the next to be reused unless the teacher keeps them until that rank acks or is gone.
     transport = {"shm": shm, "shm_bytes": 1 << 20, **(transport or {})}
-    run = run_file(tmp, tiny_teacher, data, faults.free_port(), transport=transport)
+    run = run_file(tmp, tiny_teacher, data, faults.free_port(), transport=transport, student=student)
     t0 = time.monotonic()
     teacher = start_synthetic(procs, "teacher", tiny_teacher, data, run, "--rate", "8")
     students = start_students(procs, "students", run)
@@ -301,6 +301,26 @@ def test_one_rank_frozen_past_heartbeat_timeout_shm(procs, tmp_path, tiny_teache
         freeze_s=HB + 12,
         n=160,
     )
+
+
+def test_one_rank_frozen_past_heartbeat_timeout_shm_fill_ahead(procs, tmp_path, tiny_teacher, texts):
+    """The same with `student.fill_ahead`: the frozen rank's next micro-batch was being filled (read
+    from ring slots, checked, copied) in its own thread while the loop trained; nothing trained
+    twice or lost, and the ranks did fill ahead."""
+    _frozen_rank_row(
+        "one rank frozen, shm on, fill ahead",
+        procs,
+        tmp_path,
+        tiny_teacher,
+        texts,
+        shm="auto",
+        frozen_ranks=[1],
+        freeze_s=HB + 12,
+        n=160,
+        student={"fill_ahead": True},
+    )
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert all(st["filled_ahead"] > 0 for st in m["summary"]["source_stats"]), m["summary"]["source_stats"]
 
 
 def test_one_rank_frozen_past_heartbeat_timeout_shm_off(procs, tmp_path, tiny_teacher, texts):
