@@ -253,14 +253,23 @@ def child_bare(args) -> dict:
     n_layers_sent = len(run.teacher["layer_ids"]) if run.teacher else len(layer_ids)
     sent_ids = list(run.teacher["layer_ids"]) if run.teacher else layer_ids
     max_t = max(len(v) for v in ids.values())
-    host_hs = torch.randn(max_t, n_layers_sent, H).to(tdtype)
+    # Distinct buffers, a sample's each in turn, 1 GiB or more in all: collate reads memory that is
+    # not in the CPU's caches, as it reads a received sample (one shared tensor would be warm after
+    # the first batch and understate the copy several times over).
+    one = torch.randn(max_t, n_layers_sent, H).to(tdtype)
+    n_bufs = max(2, min(len(ids), -(-(1 << 30) // max(one.nbytes, 1))))
+    host_hs = [one] + [one.clone() for _ in range(n_bufs - 1)]
+    out["bare_with_student_collate_buffers"] = [n_bufs, one.nbytes]
     samples = {
         k: Sample(
             key=k,
-            tensors={"hidden_states": host_hs[: len(v)], "token_ids": torch.tensor(v, dtype=torch.int64)},
+            tensors={
+                "hidden_states": host_hs[i % n_bufs][: len(v)],
+                "token_ids": torch.tensor(v, dtype=torch.int64),
+            },
             layers=sent_ids,
         )
-        for k, v in ids.items()
+        for i, (k, v) in enumerate(ids.items())
     }
     import inspect
 
