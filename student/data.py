@@ -663,6 +663,7 @@ def next_micro_batch(
     idle_flush_s: float,
     held: int | Callable[[], int] = 0,
     credit: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[Sample]:
     """Fill one micro-batch from `source`; [] when nothing came within `idle_flush_s` (or at the end).
 
@@ -673,6 +674,7 @@ def next_micro_batch(
     stalled collective step). With `idle_flush_s` 0 (see `idle_wait_s`) it never waits: it takes the
     samples that have already arrived, up to a full batch, and returns them (possibly none).
     `batcher.filled` says afterwards whether the batch was full (or no more could come): a backlog.
+    `stop()` True: return what it has at the next check (within 0.2 s), waiting for no more.
     """
     batcher.filled = False
 
@@ -700,7 +702,7 @@ def next_micro_batch(
             batcher.capped += not batcher.full
             return done(batcher.flush(), True)
         wait = idle_flush_s - (time.monotonic() - last)
-        if wait <= 0:
+        if wait <= 0 or (stop is not None and stop()):
             return done(batcher.flush(), False)
         s = source.get(timeout=min(wait, 0.05) if source.draining else min(wait, 0.2))
         if s is None:

@@ -193,6 +193,7 @@ class Trainer:
         self.layers_noted = False  # the unused-layers hint is logged once
         self.capped_said = False  # and the credit-window hint
         self.ahead: Ahead | None = None  # the next micro-batch's fill, running (student.fill_ahead)
+        self.stopping = False  # the loop ended: a fill running ahead waits for no more samples
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -224,8 +225,9 @@ class Trainer:
                 if flags.all_done:
                     break
         finally:
-            # Stopping (max_steps, a failure): a fill running ahead ends within its own bounds; what
-            # it took stays unacked, and the teacher sends it again (to this run or the next).
+            # Stopping (max_steps, a failure): a fill running ahead returns at its next check (it
+            # must end before the source closes); what it took stays unacked, and the teacher
+            # sends it again (to this run or the next).
             self.take_ahead(wait_only=True)
         self.wind_down()
 
@@ -235,6 +237,7 @@ class Trainer:
         if ahead is None:
             return None
         if wait_only:
+            self.stopping = True
             ahead.join()
             return None
         self.counts["ahead"] += 1
@@ -254,7 +257,8 @@ class Trainer:
         b = self.built
         try:
             wait = idle_wait_s(self.cfg.idle_flush_s, self.anyone_backlogged)
-            mb = Micro(next_micro_batch(self.source, self.batcher, wait, self.unacked, self.credit))
+            stop = lambda: self.stopping  # noqa: E731
+            mb = Micro(next_micro_batch(self.source, self.batcher, wait, self.unacked, self.credit, stop))
             for s in mb.samples:
                 check_sample(s, b.layer_ids, b.teacher_hidden, partial_ok=b.recipe.partial_positions)
             if mb.samples and not self.layers_noted:

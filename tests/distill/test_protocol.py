@@ -309,33 +309,17 @@ def test_x3t_in_a_child_forked_after_the_parent_hashed_with_its_threads():
     """vLLM may fork its engine core from a teacher that already checked spool files: the child
     inherits no pool threads, so the leaf pool must be its own (an inherited one never runs work).
     In a fresh interpreter without torch (whose import happens to hide the hang in this one)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from forked import in_a_forked_child
 
-    script = """
-import os, select, signal
-from distill import digest as D
-buf = os.urandom(9 << 20)  # 3 leaves: hashed by the pool
-want = D.x3t_of([buf])  # the parent's pool exists now
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    try:
-        os.write(w, str(D.x3t_of([buf])).encode())
-    finally:
-        os._exit(0)
-os.close(w)
-ready, _, _ = select.select([r], [], [], 30)  # bounded: a hung child is a failure, not a hang
-got = os.read(r, 64).decode() if ready else "no answer in 30 s"
-if not ready:
-    os.kill(pid, signal.SIGKILL)
-os.waitpid(pid, 0)
-print("torch" in __import__("sys").modules, got == str(want), got)
-"""
-    root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=90)
-    assert p.returncode == 0, p.stderr[-2000:]
-    no_torch, same, got = p.stdout.strip().split(maxsplit=2)
-    assert no_torch == "False", "the check must run without torch imported"
-    assert same == "True", f"the forked child's x3t_of: {got}"
+    setup = """
+    import threading
+    from distill import digest as D
+    buf = os.urandom(9 << 20)  # 3 leaves: hashed by the pool
+    met = threading.Barrier(D.LEAF_THREADS + 1)  # the parent's pool gets all its threads (at once)
+    for _ in range(D.LEAF_THREADS):
+        D._pool().submit(met.wait, 30)
+    met.wait(30)
+    """
+    out = in_a_forked_child(setup, "D.x3t_of([buf])")  # the parent's pool exists before the fork
+    assert "torch" not in out["modules"], "the check must run without torch imported"
+    assert out["got"] == out["want"], f"the forked child's x3t_of: {out['got']}"

@@ -154,44 +154,23 @@ def test_collate_in_threads_in_a_child_forked_after_the_parent_collated_with_the
     """A forked child inherits none of the pool's threads: its collate must use a pool of its own
     (an inherited one takes the copies and never runs them). In a fresh interpreter with one OpenMP
     thread, as under `accelerate launch` (libgomp itself does not survive a fork after use)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from forked import in_a_forked_child
 
-    script = """
-import os, select, signal, threading, torch
-from distill.protocol import Sample
-from student import data as D
-S = [Sample(f"k{i}", {"hidden_states": torch.randn(1024, 2, 1024), "token_ids": torch.arange(1024)},
-            [2, 4], {}) for i in range(4)]  # 32 MiB of rows: over PARALLEL_COLLATE_BYTES
-want = D.collate(S, [2, 4], threads=4).teacher.sum().item()
-met = threading.Barrier(5)  # the parent's pool has all its 4 threads (at once: none idle to reuse)
-for _ in range(4):
-    D._pool(4).submit(met.wait, 30)
-met.wait(30)
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    try:
-        os.write(w, str(D.collate(S, [2, 4], threads=4).teacher.sum().item()).encode())
-    finally:
-        os._exit(0)
-os.close(w)
-ready, _, _ = select.select([r], [], [], 30)  # bounded: a hung child is a failure, not a hang
-got = os.read(r, 64).decode() if ready else "no answer in 30 s"
-if not ready:
-    os.kill(pid, signal.SIGKILL)
-os.waitpid(pid, 0)
-print(got == str(want), got)
-"""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    setup = """
+    import threading, torch
+    from distill.protocol import Sample
+    from student import data as D
+    S = [Sample(f"k{i}", {"hidden_states": torch.randn(1024, 2, 1024), "token_ids": torch.arange(1024)},
+                [2, 4], {}) for i in range(4)]  # 32 MiB of rows: over PARALLEL_COLLATE_BYTES
+    met = threading.Barrier(5)  # the parent's pool gets all its 4 threads (at once: none idle to reuse)
+    for _ in range(4):
+        D._pool(4).submit(met.wait, 30)
+    met.wait(30)
+    """
+    out = in_a_forked_child(
+        setup, "D.collate(S, [2, 4], threads=4).teacher.sum().item()", {"OMP_NUM_THREADS": "1"}
     )
-    assert p.returncode == 0, p.stderr[-2000:]
-    same, got = p.stdout.strip().split(maxsplit=1)
-    assert same == "True", f"the forked child's collate: {got}"
+    assert out["got"] == out["want"], f"the forked child's collate: {out['got']}"
 
 
 def test_collate_in_threads_gives_bitwise_the_batch_of_one_thread(monkeypatch):
@@ -372,6 +351,18 @@ def test_micro_batch_stops_waiting_when_credit_is_used_up(held):
     assert [s.key for s in got] == ["k0", "k1", "k2"] and b.filled
     assert time.monotonic() - t0 < 1.0
     assert b.capped == 1  # counted: the trainer hints at a larger credit window after 20 of these
+
+
+def test_micro_batch_returns_what_it_has_once_told_to_stop():
+    """A fill running ahead of the loop is told to stop when the loop ends (the source closes
+    next): it returns the samples it holds at its next check instead of waiting idle_flush_s."""
+    b = TokenBudgetBatcher(max_tokens=1000)
+    src = _Backlog([sample("k0", 4)], [sample("late", 4)])
+    t0 = time.monotonic()
+    told = lambda: time.monotonic() - t0 > 0.3  # noqa: E731
+    got = next_micro_batch(src, b, 30.0, stop=told)
+    assert [s.key for s in got] == ["k0"] and not b.filled
+    assert 0.3 <= time.monotonic() - t0 < 2.0
 
 
 def test_unused_layers_hint_names_what_the_student_never_reads():

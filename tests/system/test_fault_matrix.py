@@ -286,12 +286,15 @@ def _frozen_rank_row(
     return report(row, run, expected, codes, t0, frozen_s=freeze_s)
 
 
-def test_one_rank_frozen_past_heartbeat_timeout_shm(procs, tmp_path, tiny_teacher, texts):
+@pytest.mark.parametrize("ahead", [False, True], ids=["fill", "fill_ahead"])
+def test_one_rank_frozen_past_heartbeat_timeout_shm(procs, tmp_path, tiny_teacher, texts, ahead):
     """One rank SIGSTOPped (whole tree) 12 s past heartbeat_timeout_s, then SIGCONT, with
     shared memory on: its held samples were redelivered meanwhile; their ring slots must not change
-    under it (no garbage ids, no crash), nothing trained twice or lost."""
+    under it (no garbage ids, no crash), nothing trained twice or lost. fill_ahead: the same with
+    `student.fill_ahead` (the frozen rank's next micro-batch was being read from ring slots, checked
+    and copied in its own thread while the loop trained), and the ranks did fill ahead."""
     _frozen_rank_row(
-        "one rank frozen, shm on",
+        "one rank frozen, shm on" + (", fill ahead" if ahead else ""),
         procs,
         tmp_path,
         tiny_teacher,
@@ -300,27 +303,11 @@ def test_one_rank_frozen_past_heartbeat_timeout_shm(procs, tmp_path, tiny_teache
         frozen_ranks=[1],
         freeze_s=HB + 12,
         n=160,
-    )
-
-
-def test_one_rank_frozen_past_heartbeat_timeout_shm_fill_ahead(procs, tmp_path, tiny_teacher, texts):
-    """The same with `student.fill_ahead`: the frozen rank's next micro-batch was being filled (read
-    from ring slots, checked, copied) in its own thread while the loop trained; nothing trained
-    twice or lost, and the ranks did fill ahead."""
-    _frozen_rank_row(
-        "one rank frozen, shm on, fill ahead",
-        procs,
-        tmp_path,
-        tiny_teacher,
-        texts,
-        shm="auto",
-        frozen_ranks=[1],
-        freeze_s=HB + 12,
-        n=160,
-        student={"fill_ahead": True},
+        student={"fill_ahead": ahead},
     )
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    assert all(st["filled_ahead"] > 0 for st in m["summary"]["source_stats"]), m["summary"]["source_stats"]
+    filled = [st["filled_ahead"] for st in m["summary"]["source_stats"]]
+    assert all(n > 0 for n in filled) if ahead else not any(filled), filled
 
 
 def test_one_rank_frozen_past_heartbeat_timeout_shm_off(procs, tmp_path, tiny_teacher, texts):

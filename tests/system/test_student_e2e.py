@@ -259,8 +259,12 @@ def test_offline_spool_gives_same_sample_set_as_streaming(stream_run, assets, tm
     assert loss_ratio(offline["steps"]) < 0.85
 
 
-@pytest.mark.parametrize("teacher_survives", [False, True], ids=["teacher-restarts", "teacher-survives"])
-def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_survives):
+@pytest.mark.parametrize(
+    "teacher_survives,ahead",
+    [(False, False), (True, False), (False, True)],
+    ids=["teacher-restarts", "teacher-survives", "teacher-restarts-fill-ahead"],
+)
+def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_survives, ahead):
     """SIGKILL both student ranks after a checkpoint and resume from it.
 
     teacher-restarts: the teacher dies too and a fresh one sends everything again; the ledger's
@@ -268,6 +272,8 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_
     teacher-survives: the teacher redelivers what the dead ranks held and sends again what they acked
     after the checkpoint; the resumed ranks train to the end of the stream. Either way the step count
     continues from the checkpoint and no sample is trained twice in the resumed lineage.
+    fill-ahead: teacher-restarts with `student.fill_ahead` (the next micro-batch filled while one
+    trains; at max_steps one is being filled, and it must end before the source closes).
     """
     max_steps, every = (None, 4) if teacher_survives else (20, 4)
     run = run_file(
@@ -277,6 +283,7 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_
         max_steps=max_steps,
         checkpoint_every=every,
         resume_from="latest",
+        fill_ahead=ahead,
     )
     ckpts = tmp_path / "out" / "checkpoints"
     latest = ckpts / "latest"
@@ -313,6 +320,8 @@ def test_resume_after_kill_same_steps_no_sample_twice(assets, tmp_path, teacher_
         stop(teacher)  # (teacher-restarts: max_steps leaves samples unsent, it would wait for students)
     assert "resumed from" in log2.read_text()
     m = metrics(tmp_path)
+    ahead_counts = [st["filled_ahead"] for st in m["summary"]["source_stats"]]
+    assert all(n > 0 for n in ahead_counts) if ahead else not any(ahead_counts), ahead_counts
     n_steps = m["summary"]["steps"]
     assert [s["step"] for s in m["steps"]] == list(range(1, n_steps + 1))
     keys = [e[0] for e in m["trained"]]
