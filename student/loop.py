@@ -5,7 +5,8 @@ spool folder), so ranks hold different numbers of samples at different times. `T
 on every step collectively; each iteration:
 
 1. `fill`: every rank fills a micro-batch from its own source (possibly empty); stale shared-memory
-   samples are discarded, not acked.
+   samples are discarded, not acked. With `student.fill_ahead` this runs in a thread of its own,
+   started once the previous iteration's step 3 has settled its inputs, while steps 4-6 run here.
 2. `agree_flags` (collective 1): one small all-gather says who proposes samples, who is finished,
    idle or failed, who has uncommitted acks, a backlog, or heard END. Any rank heard END: every rank
    stops. A rank failed: every rank stops (teacher gone: exit 3; another error: exit 2).
