@@ -122,7 +122,8 @@ def wait_ended(procs: list[psutil.Process], timeout: float) -> list[psutil.Proce
 def clean(data: dict, skip_pid: int | None = None, grace_s: float = 0.0) -> tuple[list[int], list[str], int]:
     """Kill the recorded processes still running (same pid and start time) after `grace_s` (time
     to end by themselves: Python's resource tracker ends on its own once its clients are gone),
-    then remove the recorded shared-memory files. Returns (pids killed, files removed, bytes)."""
+    then remove the recorded shared-memory files and those the killed processes mapped at the end.
+    Returns (pids killed, files removed, bytes)."""
     victims = []
     for pid, created in data.get("procs", []):
         if pid == skip_pid:
@@ -133,12 +134,20 @@ def clean(data: dict, skip_pid: int | None = None, grace_s: float = 0.0) -> tupl
                 victims.append(p)
     if victims and grace_s > 0:
         victims = wait_ended(victims, grace_s)
+    # An engine still starting up makes segments after they were noted (during the grace too):
+    # stopped first, what each maps then is all it will ever have made, and goes with it.
+    shm = set(data.get("shm", []))
+    for p in victims:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGSTOP)
+    for p in victims:
+        shm |= mapped_shm(p.pid)
     for p in victims:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGKILL)
     wait_ended(victims, 10)
     removed, freed = [], 0
-    for entry in shm_files(data.get("shm", [])):
+    for entry in shm_files(shm):
         with contextlib.suppress(OSError):
             size = entry.stat(follow_symlinks=False).st_size
             os.unlink(entry.path)
