@@ -229,20 +229,24 @@ class Trainer:
             # Stopping (max_steps, a failure): a fill running ahead returns at its next check (it
             # must end before the source closes); what it took stays unacked, and the teacher
             # sends it again (to this run or the next).
-            self.take_ahead(wait_only=True)
+            self.end_ahead()
         self.wind_down()
 
-    def take_ahead(self, wait_only: bool = False) -> Micro | None:
-        """The micro-batch a fill running ahead made (None: none runs). `wait_only`: only end it."""
+    def take_ahead(self) -> Micro | None:
+        """The micro-batch a fill running ahead made (None: none runs)."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
-        if wait_only:
-            self.stopping = True
-            ahead.join()
-            return None
         self.counts["ahead"] += 1
         return ahead.result()
+
+    def end_ahead(self) -> None:
+        """The loop ended: a fill running ahead returns at its next check; it is over before the
+        source closes (a fill reading ring slots after the unmap would crash)."""
+        if self.ahead is not None:
+            self.stopping = True
+            self.ahead.join()
+            self.ahead = None
 
     def unacked(self) -> int:
         """Samples this rank holds outside the batcher and has not acked: what they take of the
@@ -369,7 +373,6 @@ class Trainer:
         self.synced = boundary
         self.micro += 1
         self.pending.extend(mb.samples)
-        self.in_hand = []
         if mb.tokens:  # device-side sums: no host synchronisation here
             self.metrics.add(loss, terms, mb.tokens)
         self.step_tokens += mb.global_tokens
