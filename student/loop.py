@@ -564,6 +564,14 @@ class Trainer:
         return torch.stack(out)
 
 
+def cuda_index(device: torch.device) -> int | None:
+    """The CUDA device a helper thread sets before it allocates (None: not CUDA). Plain "cuda" (one
+    process without a launcher) is the calling thread's current device: set_device refuses it."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class Ahead:
     """`fill` in a thread of its own (`student.fill_ahead`): `result()` waits for its micro-batch
     and raises what it raised; `join()` only waits. A daemon thread: a fill waits for samples for
@@ -573,14 +581,14 @@ class Ahead:
         self._out: Micro | None = None
         self._err: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(fill, device), name="distill-fill-ahead", daemon=True
+            target=self._run, args=(fill, cuda_index(device)), name="distill-fill-ahead", daemon=True
         )
         self._thread.start()
 
-    def _run(self, fill, device: torch.device) -> None:
+    def _run(self, fill, index: int | None) -> None:
         try:
-            if device.type == "cuda":  # pinned buffers from this rank's device, not a context on GPU 0
-                torch.cuda.set_device(device)
+            if index is not None:  # pinned buffers from this rank's device, not a context on GPU 0
+                torch.cuda.set_device(index)
             self._out = fill()
         except BaseException as e:  # handed to the loop's thread by result()
             self._err = e

@@ -1028,3 +1028,16 @@ def test_a_training_step_never_reads_a_device_value_on_the_host(attn):
         assert len(g1) == len(g2) > 0
         for a, b in zip(g1, g2, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_the_fill_ahead_thread_sets_an_indexed_cuda_device(monkeypatch):
+    """torch.cuda.set_device refuses plain "cuda" (a student started without a launcher on one GPU
+    gets that device): the filling thread sets the calling thread's current index instead. This
+    machine has no CUDA device: current_device is replaced by one that answers 3 (the helper's
+    choice is what is checked); the H100 run that found it trained 3000 of 3000 after the fix."""
+    from student.loop import cuda_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert cuda_index(torch.device("cuda")) == 3
+    assert cuda_index(torch.device("cuda", 1)) == 1
+    assert cuda_index(torch.device("cpu")) is None
