@@ -28,11 +28,12 @@ DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 
 def quantize(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 values, float32 scales) of `hs` [..., H]: one scale per row of the last dimension.
-    Runs where `hs` is (the teacher's GPU on CUDA)."""
-    x = hs.float()
-    scale = x.abs().amax(dim=-1) / FP8_MAX
+    Runs where `hs` is (the teacher's GPU on CUDA). One full-size float32 temporary (the quotient):
+    the row maxima are reduced from `hs` itself (exact in any float dtype) and the division
+    promotes `hs` to float32 as it reads; the same bits as converting `hs` to float32 first."""
+    scale = torch.linalg.vector_norm(hs, ord=float("inf"), dim=-1).float().div_(FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: scale 1
-    q = (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    q = torch.div(hs, scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
 

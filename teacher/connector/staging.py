@@ -70,9 +70,9 @@ def gather_rows(kv: torch.Tensor, slots: torch.Tensor, perm: torch.Tensor | None
 
 def token_bytes(layers: int, hidden: int, elem: int, quantize: bool) -> int:
     """The most one token takes while it is staged: its gathered rows (`elem` bytes per value) and,
-    with fp8, `fp8.quantize`'s float32 work copy and quotient and the fp8 values (elem + 9 bytes
-    per value, a bound for float32 too). Its bytes in a staging buffer (values, fp8 scales) are
-    never more."""
+    with fp8, `fp8.quantize`'s float32 quotient and the fp8 values (elem + 5 bytes per value; the
+    bound keeps elem + 9, room for a float32 work copy as well). Its bytes in a staging buffer
+    (values, fp8 scales) are never more."""
     return layers * hidden * (elem + 9 if quantize else elem)
 
 

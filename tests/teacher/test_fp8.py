@@ -54,6 +54,27 @@ def test_quantize_stays_within_the_documented_bound_and_halves_the_bytes(dtype):
     assert 0.01 < rel.max().item() <= fp8.ERROR_BOUND * 1.01
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_gives_the_bits_of_its_definition_in_float32(dtype):
+    """quantize reduces and divides without a float32 copy of its input: the same bits as the
+    definition (float32 first, max |x| / 448 per row, x / scale clamped to e4m3), all-zero rows,
+    the dtype's tiniest values, NaN and infinities included."""
+    g = torch.Generator().manual_seed(1)
+    for magnitude in (1e-3, 1.0, 1e3):
+        x = (torch.randn(40, 3, 64, generator=g) * magnitude).to(dtype)
+        x[3] = 0
+        x[5, 1] = torch.finfo(dtype).tiny
+        x[7, 0, 3], x[8, 1, 4], x[9, 2, 1] = float("nan"), float("inf"), -float("inf")
+        f = x.float()
+        want_scale = f.abs().amax(dim=-1) / fp8.FP8_MAX
+        want_scale = torch.where(want_scale > 0, want_scale, torch.ones_like(want_scale))
+        want_q = (f / want_scale.unsqueeze(-1)).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+        q, scale = fp8.quantize(x)
+        assert scale.dtype == torch.float32 and q.dtype == fp8.FP8
+        assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def _quantized_sample(key="k", dtype=torch.bfloat16):
     x = _states(dtype=dtype)
     q, scale = fp8.quantize(x)
