@@ -17,12 +17,22 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from distill.errors import ConfigError
 
 GiB = 1 << 30
 MiB = 1 << 20
+# With CURVE and `connections` / `io_threads` unset: this many per student / teacher socket, where
+# the host has 4 cores for each (fewer: a quarter of its cores, at least 1). One connection's
+# encryption runs on one I/O thread (BENCHMARKS.md, "Transport and CURVE").
+CURVE_LANES = 4
+
+
+def curve_lanes() -> int:
+    """Connections (student) or I/O threads (teacher) that CURVE gets when they are unset."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(CURVE_LANES, cores // 4))
 
 
 class Strict(BaseModel):
@@ -73,8 +83,9 @@ class TransportConfig(Strict):
     # 1.2 GB/s on a 16-core GPU host, 3.2 GB/s with 4 connections), so several connections use
     # several cores; the student gets that many I/O threads, and the teacher needs `io_threads` >=
     # students x connections. Each connection is a session at the teacher, named `<student>#<i>`
-    # for i >= 1.
-    connections: int = Field(1, ge=1, le=16)
+    # for i >= 1. Unset: 1, or with `curve` 4 where the host has 16 cores or more (a quarter of
+    # its cores, at least 1: on 2 cores CURVE is bound by the CPU and more connections add nothing).
+    connections: int = Field(None, ge=1, le=16)  # type: ignore[assignment]  # set by _lanes
     # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),
     # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).
     shm: Literal["auto", "on", "off"] = "auto"
@@ -107,7 +118,8 @@ class TransportConfig(Strict):
     # students and CURVE more threads spread the encryption over more cores (one connection's
     # stays on one thread: about 0.8 GB/s on a 16-core GPU host); 1 keeps everything on one.
     # Shared-memory students move only headers. Measured: BENCHMARKS.md, "Transport and CURVE".
-    io_threads: int = Field(1, ge=1, le=64)
+    # Unset: 1, or with `curve` as many as a student's connections get by default (4 on 16 cores).
+    io_threads: int = Field(None, ge=1, le=64)  # type: ignore[assignment]  # set by _lanes
     # Teacher side: a tensor larger than this goes to a student over tcp in frames of this many
     # bytes, which the student joins (one copy). Each frame is then encrypted (CURVE) and copied
     # by the kernel while it is in cache: CURVE on one connection ran 2.5x faster with 1 MiB frames
@@ -126,6 +138,15 @@ class TransportConfig(Strict):
     # nothing larger from a student). Students: the largest ZeroMQ frame accepted (one tensor).
     max_header_bytes: int = Field(1 * MiB, ge=4096, le=64 * MiB)
     max_frame_bytes: int = Field(16 * GiB, gt=0)
+
+    @model_validator(mode="after")
+    def _lanes(self) -> TransportConfig:
+        # Unset connections / io_threads: 1, or with CURVE one per 4 cores up to CURVE_LANES.
+        lanes = curve_lanes() if self.curve is not None else 1
+        for name in ("connections", "io_threads"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, lanes)  # no re-validation: the value is in range
+        return self
 
     @field_validator("chunk_bytes")
     @classmethod

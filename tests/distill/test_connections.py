@@ -38,9 +38,11 @@ def _sample(i: int) -> Sample:
     )
 
 
-def _cfgs(tmp_path, curve: bool, **student_kw) -> tuple[TransportConfig, TransportConfig]:
+def _cfgs(tmp_path, curve: bool, shm: str = "off", **student_kw) -> tuple[TransportConfig, TransportConfig]:
     ep = f"tcp://127.0.0.1:{free_port()}"
-    common = dict(shm="off", heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    common = dict(shm=shm, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    if shm != "off":
+        common.update(shm_bytes=64 << 20, shm_dir=str(tmp_path))
     ct = cs = None
     if curve:
         d = tmp_path / "keys"
@@ -66,9 +68,13 @@ def test_the_credit_window_is_split_among_the_connections():
         TransportConfig(connections=0)
 
 
-@pytest.mark.parametrize("curve", [False, True])
-def test_samples_spread_over_a_students_connections_each_trained_once(tmp_path, curve):
-    t_cfg, s_cfg = _cfgs(tmp_path, curve, connections=3, credit_samples=6)
+@pytest.mark.parametrize(
+    "curve, shm", [(False, "off"), (True, "off"), (True, "on")], ids=["tcp", "curve", "curve-shm"]
+)
+def test_samples_spread_over_a_students_connections_each_trained_once(tmp_path, curve, shm):
+    """curve-shm: a student on the teacher's host with CURVE, where several connections are the
+    default on a big host: the bytes come through the ring on every connection."""
+    t_cfg, s_cfg = _cfgs(tmp_path, curve, shm, connections=3, credit_samples=6)
     journal = tmp_path / "journal.txt"
     n = 60
     got: collections.Counter = collections.Counter()
@@ -99,6 +105,7 @@ def test_samples_spread_over_a_students_connections_each_trained_once(tmp_path, 
     assert len(via) == 3, via  # every connection carried samples (credit 2 each: none holds all)
     st = pub.stats()
     assert st["acked"] == n
+    assert st["shm_samples"] == (n if shm == "on" else 0), st
     # The sizing figures count one student over its three connections (mean students = 1).
     assert st["flow_s"] > 0 and abs(st["student_s"] / st["flow_s"] - 1) < 1e-6, st
 
