@@ -987,6 +987,24 @@ def run_one(args):
 
 
 # ----------------------------------------------------------------------------------------------
+def collect_results(out_dir: str, commit: str | None) -> dict:
+    """Every mode record in `out_dir`, by mode name (also from an earlier command on the same host,
+    so a table can be run over several calls). With `commit` set, a record of another commit (or
+    of none) is left out and said in one line: a stale folder never mixes into the summary."""
+    results = {}
+    for n in sorted(os.listdir(out_dir)):
+        if n.endswith(".json") and n != "summary.json":
+            with open(os.path.join(out_dir, n)) as f:
+                r = json.load(f)
+            if commit is not None and r.get("commit") != commit:
+                log(f"{n} left out of the summary: commit {r.get('commit')}, not {commit}")
+                continue
+            name = r.get("name") or parse_mode(r.get("mode", n[:-5]), 1)[0]
+            rcv = r.get("receivers") or 1
+            results[name + (f":{rcv}" if rcv > 1 else "")] = r
+    return results
+
+
 # Orchestrator: every mode in a fresh process, then one summary
 # ----------------------------------------------------------------------------------------------
 
@@ -1176,6 +1194,7 @@ def orchestrate(args, argv):
         if rep:
             res["connector"] = rep
         res["step_wall_s"] = round(time.monotonic() - t0, 1)
+        res["commit"] = args.commit
         walls.append(res["step_wall_s"])
         with open(js, "w") as f:
             json.dump(res, f, indent=1)
@@ -1195,15 +1214,7 @@ def orchestrate(args, argv):
             print("\n".join(res["log_tail"][-25:]), flush=True)
         for d in (args.storage, args.spool_dir):
             shutil.rmtree(d, ignore_errors=True)
-    # every mode result in the folder (also from an earlier command on the same host)
-    results = {}
-    for n in sorted(os.listdir(args.out_dir)):
-        if n.endswith(".json") and n != "summary.json":
-            with open(os.path.join(args.out_dir, n)) as f:
-                r = json.load(f)
-            name = r.get("name") or parse_mode(r.get("mode", n[:-5]), 1)[0]
-            rcv = r.get("receivers") or 1
-            results[name + (f":{rcv}" if rcv > 1 else "")] = r
+    results = collect_results(args.out_dir, args.commit)
     summary = summarize(results, args)
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump({"summary": summary, "results": results}, f, indent=1)
