@@ -87,6 +87,7 @@ from benchlib.student_probe import (  # noqa: E402
     run_probe,
     write_synthetic_spool,
 )
+from benchlib.trace import child_trace_student  # noqa: E402
 
 from distill.errors import ConfigError  # noqa: E402
 
@@ -164,6 +165,15 @@ def parse_args(argv=None):
         help="a probe variant (student.* overrides); default: one run with the defaults",
     )
     p.add_argument(
+        "--profile-trace",
+        action="store_true",
+        help="with --profile: no timers, torch.profiler over a window of the loop's iterations: how "
+        "busy the GPU is during each loop phase, the CUDA runtime calls, the longest GPU idle gaps "
+        "(trace.json.gz beside result.json)",
+    )
+    p.add_argument("--trace-wait", type=int, default=20, help="--profile-trace: iterations before the window")
+    p.add_argument("--trace-active", type=int, default=10, help="--profile-trace: iterations in the window")
+    p.add_argument(
         "--profile-samples", type=int, default=None, help="synthetic samples (default 600; --tiny 24)"
     )
     p.add_argument(
@@ -188,6 +198,9 @@ def main(argv=None) -> int:
         return 0
     if args.child == "profile-student":
         child_profile_student(args)
+        return 0
+    if args.child == "trace-student":
+        child_trace_student(args)
         return 0
     if args.child == "loop-probe":
         child_loop_probe(args)
@@ -306,10 +319,14 @@ def main(argv=None) -> int:
             launcher = accelerate_launcher(pcfg["student"]["mixed_precision"])
             left = args.budget_s - (time.monotonic() - t_start) - 10
             try:
+                kind, extra = "profile-student", ["--config", str(pcfg_path)]
+                if args.profile_trace:
+                    kind = "trace-student"
+                    extra += ["--trace-wait", str(args.trace_wait), "--trace-active", str(args.trace_active)]
                 prof = run_child(
                     args,
-                    "profile-student",
-                    ["--config", str(pcfg_path)],
+                    kind,
+                    extra,
                     senv,
                     min(300.0, left),
                     work / "profile.log",
@@ -320,7 +337,12 @@ def main(argv=None) -> int:
                     server.stop(signal.SIGINT, grace=20)
             res["profile_synthetic_samples"] = n
             res["profile_source"] = args.profile_source
-            if "result" in prof:
+            if "trace" in prof:  # --profile-trace
+                res["trace"] = prof["result"]
+                kept = out_dir / "trace.json.gz"
+                if Path(prof["trace"]).exists() and Path(prof["trace"]).resolve() != kept.resolve():
+                    shutil.copy(prof["trace"], kept)
+            elif "result" in prof:
                 res.update(prof["result"])
                 (out_dir / "profile_tables.txt").write_text(
                     "\n\n".join(f"== {k} ==\n{v}" for k, v in prof.get("tables", {}).items())

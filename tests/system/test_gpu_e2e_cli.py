@@ -80,6 +80,19 @@ def test_the_profile_over_a_served_stream_trains_every_synthetic_sample(tmp_path
     assert run["student"].get("mode", "stream") == "stream" and "spool_dir" not in run["student"]
 
 
+def test_the_trace_marks_the_loops_phases_without_timers(tmp_path):
+    args = ("--skip-e2e", "--skip-bare", "--profile", "--profile-source", "stream", "--profile-trace")
+    p = _run(tmp_path, *args, "--trace-wait", "0", "--trace-active", "3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT_JSON "))[12:])
+    assert res["status"] == "ok", res["status"]
+    tr = res["trace"]
+    assert tr["trace_samples"] == res["profile_synthetic_samples"] == 24, tr
+    assert tr["iterations"] >= 1 and tr["trace_gpu"] is False and tr["gpu_busy"] == 0.0
+    assert tr["phases"]["forward_backward"]["ms_per_iter"] > 0 and tr["phases"]["fill"]["calls"] >= 1
+    assert (tmp_path / "work" / "trace.json.gz").stat().st_size > 0
+
+
 def test_spy_without_py_spy_exits_2_in_one_line(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
