@@ -75,6 +75,45 @@ def test_quantize_gives_the_bits_of_its_definition_in_float32(dtype):
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def test_a_quantize_kernel_is_used_only_where_it_gives_the_reference_bits():
+    """fp8.verify accepts a kernel only with the reference's values (bit for bit, NaN where the
+    reference has NaN) and scales over its probe (every model dtype, subnormals to near overflow,
+    infinities, NaN); the fused Triton kernel is checked by it on each CUDA device (test below)."""
+    cpu = torch.device("cpu")
+    assert fp8.verify(fp8.reference_quantize, cpu) is fp8.reference_quantize
+
+    def one_scale_off(x):
+        q, s = fp8.reference_quantize(x)
+        s = s.clone()
+        s.view(-1)[5] = torch.nextafter(s.view(-1)[5], torch.tensor(float("inf")))
+        return q, s
+
+    def nan_dropped(x):  # a hardware maximum that ignores NaN: the NaN row gets a real scale
+        q, s = fp8.reference_quantize(torch.nan_to_num(x, nan=0.0))
+        return q, s
+
+    def float32_scales_as_float64(x):
+        q, s = fp8.reference_quantize(x)
+        return q, s.double()
+
+    for wrong in (one_scale_off, nan_dropped, float32_scales_as_float64):
+        assert fp8.verify(wrong, cpu) is None, wrong.__name__
+    # a CPU tensor never goes to a CUDA kernel
+    x = torch.randn(4, 2, 8)
+    assert all(torch.equal(a, b) for a, b in zip(fp8.quantize(x), fp8.reference_quantize(x), strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel runs on CUDA only (no GPU here)")
+def test_the_fused_kernel_gives_the_reference_bits_on_this_gpu():
+    dev = torch.device("cuda")
+    fused = fp8.fused_quantizer(dev)
+    assert fused is not None
+    x = (torch.randn(3000, 4, 4096, device=dev) * 3).to(torch.bfloat16)
+    q, s = fused(x)
+    rq, rs = fp8.reference_quantize(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
 def _quantized_sample(key="k", dtype=torch.bfloat16):
     x = _states(dtype=dtype)
     q, scale = fp8.quantize(x)
