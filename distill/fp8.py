@@ -32,11 +32,11 @@ DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 
 def quantize(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 values, float32 scales) of `hs` [..., H]: one scale per row of the last dimension.
-    Runs where `hs` is (the teacher's GPU on CUDA). On a CUDA device where the one-kernel version
-    (`fused_quantizer`) reproduced `reference_quantize` bit for bit, that kernel; else the
-    reference."""
+    Runs where `hs` is (the teacher's GPU on CUDA). On a CUDA device and dtype for which the
+    one-kernel version (`fused_quantizer`) reproduced `reference_quantize` bit for bit, that
+    kernel; else the reference."""
     if hs.is_cuda:
-        fused = fused_quantizer(hs.device)
+        fused = fused_quantizer(hs.device, hs.dtype)
         if fused is not None:
             return fused(hs)
     return reference_quantize(hs)
@@ -53,59 +53,64 @@ def reference_quantize(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _UNSET = object()
-_FUSED: dict[int, Callable | None] = {}  # CUDA device index -> the verified kernel, or None
+# (CUDA device index, dtype) -> the verified kernel, or None
+_FUSED: dict[tuple[int, torch.dtype], Callable | None] = {}
 
 
-def fused_quantizer(device: torch.device) -> Callable | None:
-    """The one-kernel quantize for CUDA `device` (a Triton kernel: each row read once, its maximum,
-    scale, quotient and fp8 values in registers; no float32 temporary, one launch instead of
-    eight), or None where Triton is missing or the kernel does not give `reference_quantize`'s
-    bits on `verify`'s probe. Decided once per device (the first call compiles, ~1 s: the
-    connector calls it while the engine starts)."""
+def fused_quantizer(device: torch.device, dtype: torch.dtype) -> Callable | None:
+    """The one-kernel quantize of `dtype` values on CUDA `device` (a Triton kernel: each row read
+    once, its maximum, scale, quotient and fp8 values in registers; no float32 temporary, one
+    launch instead of eight), or None where Triton is missing or the kernel does not give
+    `reference_quantize`'s bits on `verify`'s probe in that dtype (on an H100, float16 rows differed
+    in the last fp8 bit at a few values; bfloat16 and float32 matched). Decided once per device and
+    dtype (the first call compiles, ~1 s: the connector calls it while the engine starts)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    found = _FUSED.get(index, _UNSET)
+    found = _FUSED.get((index, dtype), _UNSET)
     if found is _UNSET:
         try:
             kernel = _triton_quantize()
-            found = verify(kernel, torch.device("cuda", index))
+            found = verify(kernel, torch.device("cuda", index), dtype)
             why = "" if found is not None else "its values differ from the reference on the probe"
         except Exception as e:  # noqa: BLE001 (no Triton, a compile error: the reference stays)
             found, why = None, f"{type(e).__name__}: {e}"
+        name = str(dtype).replace("torch.", "")
         if why:
-            logger.info("fp8: quantizing with torch operations on cuda:%d (the fused kernel: %s)", index, why)
+            logger.info(
+                "fp8: quantizing %s with torch operations on cuda:%d (the fused kernel: %s)", name, index, why
+            )
         else:
             logger.info(
-                "fp8: quantizing with one fused kernel on cuda:%d (the reference's bits on the probe)", index
+                "fp8: quantizing %s with one fused kernel on cuda:%d (the reference's bits on the probe)",
+                name,
+                index,
             )
-        _FUSED[index] = found
+        _FUSED[(index, dtype)] = found
     return found  # type: ignore[return-value]
 
 
-def verify(kernel: Callable, device: torch.device) -> Callable | None:
+def verify(kernel: Callable, device: torch.device, dtype: torch.dtype) -> Callable | None:
     """`kernel` if it gives `reference_quantize`'s values (bit for bit; NaN where the reference has
-    NaN) and scales on a probe in every model dtype: random rows over 75 decades of magnitude (float32; 10 in 16-bit dtypes), an
-    all-zero row, e4m3's subnormal range, infinities and NaN, a row length that is no power of 2."""
+    NaN) and scales on a probe of `dtype` values: random rows over 75 decades of magnitude (10 in
+    16-bit dtypes), an all-zero row, e4m3's subnormal range, infinities and NaN, a row length that
+    is no power of 2."""
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for hidden in (4096, 1000):
-            x = torch.randn(64, 2, hidden, generator=g)
-            mags = torch.logspace(-38, 37, 64) if dtype == torch.float32 else torch.logspace(-6, 4, 64)
-            x = x * mags.view(-1, 1, 1)
-            x[0] = 0.0
-            x[1, 0, 7] = float("inf")
-            x[2, 1, 3] = float("nan")
-            x[3, 0, 5] = -float("inf")
-            x = x.to(dtype).to(device)
-            q, s = kernel(x)
-            rq, rs = reference_quantize(x)
-            if q.shape != rq.shape or s.shape != rs.shape or q.dtype != FP8 or s.dtype != torch.float32:
-                return None
-            nan, rnan = q.float().isnan(), rq.float().isnan()
-            same = torch.equal(nan, rnan) and torch.equal(
-                q.view(torch.uint8)[~rnan], rq.view(torch.uint8)[~rnan]
-            )
-            if not same or not torch.equal(s.view(torch.int32), rs.view(torch.int32)):
-                return None
+    for hidden in (4096, 1000):
+        x = torch.randn(64, 2, hidden, generator=g)
+        mags = torch.logspace(-38, 37, 64) if dtype == torch.float32 else torch.logspace(-6, 4, 64)
+        x = x * mags.view(-1, 1, 1)
+        x[0] = 0.0
+        x[1, 0, 7] = float("inf")
+        x[2, 1, 3] = float("nan")
+        x[3, 0, 5] = -float("inf")
+        x = x.to(dtype).to(device)
+        q, s = kernel(x)
+        rq, rs = reference_quantize(x)
+        if q.shape != rq.shape or s.shape != rs.shape or q.dtype != FP8 or s.dtype != torch.float32:
+            return None
+        nan, rnan = q.float().isnan(), rq.float().isnan()
+        same = torch.equal(nan, rnan) and torch.equal(q.view(torch.uint8)[~rnan], rq.view(torch.uint8)[~rnan])
+        if not same or not torch.equal(s.view(torch.int32), rs.view(torch.int32)):
+            return None
     return kernel
 
 

@@ -80,7 +80,8 @@ def test_a_quantize_kernel_is_used_only_where_it_gives_the_reference_bits():
     reference has NaN) and scales over its probe (every model dtype, subnormals to near overflow,
     infinities, NaN); the fused Triton kernel is checked by it on each CUDA device (test below)."""
     cpu = torch.device("cpu")
-    assert fp8.verify(fp8.reference_quantize, cpu) is fp8.reference_quantize
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert fp8.verify(fp8.reference_quantize, cpu, dtype) is fp8.reference_quantize
 
     def one_scale_off(x):
         q, s = fp8.reference_quantize(x)
@@ -97,7 +98,8 @@ def test_a_quantize_kernel_is_used_only_where_it_gives_the_reference_bits():
         return q, s.double()
 
     for wrong in (one_scale_off, nan_dropped, float32_scales_as_float64):
-        assert fp8.verify(wrong, cpu) is None, wrong.__name__
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert fp8.verify(wrong, cpu, dtype) is None, (wrong.__name__, dtype)
     # a CPU tensor never goes to a CUDA kernel
     x = torch.randn(4, 2, 8)
     assert all(torch.equal(a, b) for a, b in zip(fp8.quantize(x), fp8.reference_quantize(x), strict=True))
@@ -106,7 +108,7 @@ def test_a_quantize_kernel_is_used_only_where_it_gives_the_reference_bits():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel runs on CUDA only (no GPU here)")
 def test_the_fused_kernel_gives_the_reference_bits_on_this_gpu():
     dev = torch.device("cuda")
-    fused = fp8.fused_quantizer(dev)
+    fused = fp8.fused_quantizer(dev, torch.bfloat16)
     assert fused is not None
     x = (torch.randn(3000, 4, 4096, device=dev) * 3).to(torch.bfloat16)
     q, s = fused(x)
