@@ -53,8 +53,10 @@ def _covered(busy: list[tuple[float, float]], starts: list[float], a: float, b: 
 def summarize(events: list[dict], top: int = 8) -> dict:
     """What a Chrome trace of the loop says (see the module doc). Times in the trace: microseconds."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    steps = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")]
-    marks = [e for e in spans if str(e.get("name", "")).startswith(MARK)]
+    # host ranges only: the profiler also draws each range on the GPU's timeline (gpu_user_annotation)
+    host = [e for e in spans if e.get("cat") != "gpu_user_annotation"]
+    steps = [e for e in host if str(e.get("name", "")).startswith("ProfilerStep#")]
+    marks = [e for e in host if str(e.get("name", "")).startswith(MARK)]
     if not marks:
         return {"error": "no loop phases in the trace"}
     t0 = min(e["ts"] for e in (steps or marks))

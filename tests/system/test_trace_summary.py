@@ -26,6 +26,7 @@ def test_busy_share_per_phase_runtime_calls_and_gaps():
             x(f"ProfilerStep#{k}", o, 100, "user_annotation"),
             x("loop.fill", o, 30, "user_annotation"),
             x("loop.forward_backward", o + 30, 70, "user_annotation"),
+            x("loop.forward_backward", o + 35, 60, "gpu_user_annotation"),  # its GPU copy: not a phase
             x("gemm", o + 35, 40, "kernel"),
             x("gemm2", o + 60, 35, "kernel"),  # overlaps the first: counted once
             x("Memcpy HtoD", o + 10, 10, "gpu_memcpy"),
@@ -44,6 +45,7 @@ def test_busy_share_per_phase_runtime_calls_and_gaps():
         "calls": 2,
     }
     assert s["phases"]["forward_backward"]["gpu_busy_during"] == round(60 / 70, 3)
+    assert s["phases"]["forward_backward"]["calls"] == 2
     assert list(s["runtime"]) == ["cudaStreamSynchronize", "cudaLaunchKernel"]
     assert s["runtime"]["cudaStreamSynchronize"] == {"ms_per_iter": 0.008, "calls": 2}
     # the longest idle stretches: 20-35, 95-110, 120-135 (before them 0-10 and 195-200); the loop's
