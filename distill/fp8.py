@@ -57,19 +57,20 @@ _UNSET = object()
 _FUSED: dict[tuple[int, torch.dtype], Callable | None] = {}
 
 
-def fused_quantizer(device: torch.device, dtype: torch.dtype) -> Callable | None:
+def fused_quantizer(device: torch.device, dtype: torch.dtype, hidden: int | None = None) -> Callable | None:
     """The one-kernel quantize of `dtype` values on CUDA `device` (a Triton kernel: each row read
     once, its maximum, scale, quotient and fp8 values in registers; no float32 temporary, one
     launch instead of eight), or None where Triton is missing or the kernel does not give
     `reference_quantize`'s bits on `verify`'s probe in that dtype (on an H100, float16 rows differed
     in the last fp8 bit at a few values; bfloat16 and float32 matched). Decided once per device and
-    dtype (the first call compiles, ~1 s: the connector calls it while the engine starts)."""
+    dtype (the first call compiles, ~1 s: the connector calls it while the engine starts, with the
+    model's `hidden` size, so the kernel for that row length is compiled and checked then too)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     found = _FUSED.get((index, dtype), _UNSET)
     if found is _UNSET:
         try:
             kernel = _triton_quantize()
-            found = verify(kernel, torch.device("cuda", index), dtype)
+            found = verify(kernel, torch.device("cuda", index), dtype, hidden)
             why = "" if found is not None else "its values differ from the reference on the probe"
         except Exception as e:  # noqa: BLE001 (no Triton, a compile error: the reference stays)
             found, why = None, f"{type(e).__name__}: {e}"
@@ -88,14 +89,16 @@ def fused_quantizer(device: torch.device, dtype: torch.dtype) -> Callable | None
     return found  # type: ignore[return-value]
 
 
-def verify(kernel: Callable, device: torch.device, dtype: torch.dtype) -> Callable | None:
+def verify(
+    kernel: Callable, device: torch.device, dtype: torch.dtype, hidden: int | None = None
+) -> Callable | None:
     """`kernel` if it gives `reference_quantize`'s values (bit for bit; NaN where the reference has
     NaN) and scales on a probe of `dtype` values: random rows over 75 decades of magnitude (10 in
-    16-bit dtypes), an all-zero row, e4m3's subnormal range, infinities and NaN, a row length that
-    is no power of 2."""
+    16-bit dtypes), an all-zero row, e4m3's subnormal range, infinities and NaN, rows of 4096 values,
+    of 1000 (no power of 2) and of `hidden` when given."""
     g = torch.Generator().manual_seed(0)
-    for hidden in (4096, 1000):
-        x = torch.randn(64, 2, hidden, generator=g)
+    for n in dict.fromkeys((4096, 1000, hidden or 4096)):
+        x = torch.randn(64, 2, n, generator=g)
         mags = torch.logspace(-38, 37, 64) if dtype == torch.float32 else torch.logspace(-6, 4, 64)
         x = x * mags.view(-1, 1, 1)
         x[0] = 0.0

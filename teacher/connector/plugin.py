@@ -269,7 +269,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         _check_staging(self.cfg.staging_bytes, self._staged_token, "kv_connector_extra_config.staging_bytes")
         if self._kv_cache.is_cuda:
             if quantize:  # the fused fp8 kernel compiled and checked now, not at the first sample
-                fused = fp8.fused_quantizer(self._kv_cache.device, self._kv_cache.dtype)
+                fused = fp8.fused_quantizer(self._kv_cache.device, self._kv_cache.dtype, kv.shape[3])
                 logger.info(
                     "fp8: %s quantizes the %s hidden states",
                     "one fused kernel" if fused is not None else "torch operations",

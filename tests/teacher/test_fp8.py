@@ -82,6 +82,14 @@ def test_a_quantize_kernel_is_used_only_where_it_gives_the_reference_bits():
     cpu = torch.device("cpu")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert fp8.verify(fp8.reference_quantize, cpu, dtype) is fp8.reference_quantize
+    seen = []
+
+    def recording(x):
+        seen.append(x.shape[-1])
+        return fp8.reference_quantize(x)
+
+    assert fp8.verify(recording, cpu, torch.bfloat16, hidden=5120) is recording
+    assert seen == [4096, 1000, 5120]  # the model's row length is compiled and checked too
 
     def one_scale_off(x):
         q, s = fp8.reference_quantize(x)
