@@ -31,6 +31,9 @@ Modes (name[:receivers][@repeats] on ``--modes``):
          made off the engine thread)
     Cg, C8g, Dg   as C, C8, D with ``pinned_bytes`` 4 GiB given explicitly (the default: one block
          pinned while the engine starts, each sample's copy a range of its size out of it)
+    Cr, C8r  as C, C8 with ``ring_staging: false``: each sample through a pinned staging buffer and
+         a host copy into its ring slot (C: copied from the device straight into the page-locked
+         ring slot)
     Co, C8o, Do   as C, C8, D with ``pinned_bytes: 0`` (the growing pool of ``pinned_buffers``
          buffers, each pinned on the engine thread when no idle one is large enough)
     Dc, D8c  as D, and D with C8's layers, with ``transport.chunk_bytes`` 1 MiB (tensors in 1 MiB
@@ -139,6 +142,7 @@ _KNOBS = (
     ("b", {"pinned_bytes": 0, "pinned_background": True}),  # the pool, new buffers made off the engine thread
     ("g", {"pinned_bytes": 4 << 30}),  # one 4 GiB block pinned at engine start (the default), explicitly
     ("o", {"pinned_bytes": 0}),  # the growing pool instead of the block
+    ("r", {"ring_staging": False}),  # pinned staging and a host copy into the ring (not straight in)
 )
 for _n, _extra in _KNOBS:  # the sender's knobs
     for _m in ("C", "C8", "D"):
@@ -614,6 +618,7 @@ def effective_settings(kind, extra) -> dict:
         "pinned_buffers": cc.pinned_buffers,
         "pinned_background": cc.pinned_background,
         "pinned_bytes": cc.pinned_bytes,
+        "ring_staging": cc.ring_staging,
         "queue_samples": cc.queue_samples,
         "hidden_dtype": cc.hidden_dtype,
         "capture": cc.capture,

@@ -182,6 +182,13 @@ class Publisher:
         """
         return self._ring.slot(specs)
 
+    def ring_memory(self) -> tuple[int, int] | None:
+        """(address, length) of the whole shared-memory ring with every page reserved, for a producer
+        that registers it with its device (CUDA: page-locked) and copies samples straight into
+        `ring_slot` tensors; None when there is no ring or its filesystem cannot hold all of it.
+        Call it after `start`; the ring then takes its whole `transport.shm_bytes` at once."""
+        return self._ring.memory()
+
     def _replay_slot(self, specs):
         """(Spool reader threads) A ring slot for a spool file being replayed: its bytes are read
         into it."""

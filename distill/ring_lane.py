@@ -3,7 +3,7 @@ and the fall-back to frames when a sample finds no room.
 
 `RingLane` is one object the Publisher holds whether or not a ring exists (`transport.shm: off`, or
 `auto` where /dev/shm is unusable): then `active` is False, `slot` returns None and every sample
-travels in frames. Called from the producer's thread (`slot`), the spool reader threads (`slot`) and
+travels in frames. Called from the producer's threads (`slot`; `memory` once, at start), the spool reader threads (`slot`) and
 the Publisher's I/O thread (`place`, `free`, `say_full`); the ring's own lock guards its free list.
 """
 
@@ -73,6 +73,11 @@ class RingLane:
             self._stamp += 1
             stamp = self._stamp
         return self._ring.slot(specs, stamp)
+
+    def memory(self) -> tuple[int, int] | None:
+        """(address, length) of the whole ring, every page reserved (`ShmRing.reserve_all`), or
+        None: no ring, or its filesystem cannot hold all of it."""
+        return self._ring.reserve_all() if self._ring is not None else None
 
     def free(self, off: int) -> None:
         """Give back the slot at `off` (its stamp is zeroed before any reuse)."""

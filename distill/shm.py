@@ -211,6 +211,23 @@ class ShmRing:
             cur += _pad(n)
         return RingSlot(tensors, off, offsets, stamp)
 
+    def reserve_all(self) -> tuple[int, int] | None:
+        """(address, length) of the whole mapping with every page of the file reserved now, for a
+        producer that registers the ring with a device and copies into slots directly (the ring then
+        costs its whole size in memory from the start); None when the filesystem cannot reserve it
+        (no room, or no posix_fallocate: pinning unreserved pages could SIGBUS)."""
+        if not self._reserve:
+            return None
+        try:
+            os.posix_fallocate(self._fd, 0, self.size)
+        except OSError as err:
+            log.info("cannot reserve the whole %d-byte ring in %s: %s", self.size, self.path, err)
+            return None
+        with self._lock:
+            self._backed.add(0, self.size)
+        # (the tensor only reads the address; it is dropped at once, releasing its export)
+        return torch.frombuffer(self.view, dtype=torch.uint8).data_ptr(), self.size
+
     def set_stamp(self, off: int, stamp: int) -> None:
         """Write a slot's stamp word (before its bytes on alloc; zero on free)."""
         self._mm[off : off + 8] = _STAMP.pack(stamp)

@@ -69,6 +69,13 @@ class ConnectorTuning(Strict):
     # that is larger. Measured side by side with the pool on an H100 (benchmarks/gpu_teacher.py
     # modes C, C8, D against Co, C8o, Do): at 8 layers the pool pinned 8 GiB on the engine thread.
     pinned_bytes: int = Field(4 * 1024 * 1024 * 1024, ge=0)
+    # CUDA only, with the same-host ring (transport.shm): the shared-memory ring is page-locked for
+    # the GPU while the engine starts (all of transport.shm_bytes is then in memory from the start)
+    # and each sample that fits is copied from the device straight into its ring slot: no pinned
+    # buffer and no host copy out of it (the sender only hashes the slot). A sample that finds the
+    # ring full, or a ring that cannot be reserved whole, takes the pinned path below. false: always
+    # the pinned path (benchmarks/gpu_teacher.py modes Cr, C8r).
+    ring_staging: bool = True
     # CUDA only: threads that copy each sample out of its pinned buffer (into the shared-memory
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.

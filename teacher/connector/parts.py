@@ -62,6 +62,9 @@ class SendJob:
     # A sample over teacher.staging_bytes: its teacher.connector.staging.Pieces, copied by the sender thread
     # (`hidden_states` and `hidden_scale` are then meta-device placeholders); else None.
     pieces: Any = None
+    # ring_staging: the Publisher's ring slot the rows were copied into from the device (its
+    # hidden_states / hidden_scale are `hidden_states` / `hidden_scale`); None: not in the ring.
+    slot: Any = None
 
 
 class PinnedPool:
@@ -388,6 +391,7 @@ class ConnectorTiming:
     sender_busy_s: float = 0.0  # the sender thread's seconds per sample, summed (not queue waits)
     queue_peak: int = 0  # most samples waiting for the sender thread at once
     pieces: int = 0  # samples over teacher.staging_bytes, copied in pieces
+    ring_staged: int = 0  # samples copied from the device straight into a ring slot (ring_staging)
     staging_peak_bytes: int = 0  # the largest pinned buffer or one gather's tensors
     last_queued_t: float = 0.0  # time.monotonic() the engine thread queued the last sample for the sender
     last_on_host_t: float = 0.0  # ... the sender had the last sample's rows off the device

@@ -47,6 +47,7 @@ rows `capture: loss_mask` keeps and the layer order: teacher/README.md, "Request
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -86,12 +87,15 @@ from teacher.connector.parts import (
 from teacher.connector.staging import (
     SLACK,
     CopyDigest,
+    HostRegistration,
     Pieces,
     destination,
     parallel_copy,
     parallel_digest,
     slot_mapping,
+    stage_into,
     stage_whole,
+    staged_specs,
 )
 from teacher.connector.staging import cache_view as _cache_view
 from teacher.connector.staging import check_staging_bytes as _check_staging
@@ -122,6 +126,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     _spool_seq = 0
     _staged_token = 0  # (every sample then fits the staging bound: staged whole)
     _peak_lock = threading.Lock()
+    _ring_host: HostRegistration | None = None  # the Publisher's ring, page-locked (ring_staging)
 
     def __init__(
         self,
@@ -302,6 +307,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             )
             self._publisher.start()
             logger.info("Distill publisher bound to %s", ", ".join(self.cfg.transport.bind))
+            if self._kv_cache.is_cuda and self.cfg.ring_staging:
+                self._register_ring()
             if self.cfg.stats_path:
                 self._stats = StatsWriter(self._publisher, self.cfg.stats_path)
         else:
@@ -317,6 +324,44 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         logger.info(
             "distill: this worker places samples (mode %s, spool %s)", self.cfg.mode, self.cfg.spool.dir
         )
+
+    def _register_ring(self) -> None:
+        """ring_staging: page-lock the Publisher's whole ring for the GPU, so that each sample's
+        rows are copied from the device straight into its ring slot (no pinned buffer, no host copy
+        out of it). Without a ring, or one its filesystem cannot hold whole, the pinned path."""
+        mem = self._publisher.ring_memory()
+        if mem is not None:
+            try:
+                self._ring_host = HostRegistration(*mem)
+            except RuntimeError as e:
+                logger.warning("distill: shared-memory ring not page-locked (%s); pinned staging", e)
+        if self._ring_host is not None:
+            logger.info(
+                "distill: device-to-host copies go straight into the shared-memory ring (%d bytes "
+                "page-locked)", self._ring_host.nbytes,
+            )  # fmt: skip
+        else:
+            logger.info(
+                "distill: no whole shared-memory ring to copy into: samples go through pinned staging"
+            )
+
+    def _ring_slot(self, num_rows: int, mask, positions, token_ids):
+        """A ring slot for one whole sample (ring_staging), or None: no room, or over the
+        Publisher's memory bound (then the pinned path places or spools it as before)."""
+        kv = self._cache
+        layers = self._perm.numel() if self._perm is not None else kv.shape[1]
+        quantize = self.cfg.hidden_dtype == "fp8"
+        specs = staged_specs(num_rows, layers, kv.shape[3], kv.dtype, quantize)
+        specs["loss_mask"] = (list(mask.shape), mask.dtype)
+        if positions is not None:
+            specs[POSITIONS_KEY] = (list(positions.shape), positions.dtype)
+        specs["token_ids"] = (list(token_ids.shape), token_ids.dtype)
+        size = sum(
+            math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs.values()
+        )
+        if size > self.cfg.transport.max_buffer_bytes:
+            return None
+        return self._publisher.ring_slot(specs)
 
     def _extract(self, pending, info: SampleInfo | None, *, wait: bool = False) -> bool:
         """Copy one finished request's rows off the cache and queue them for the sender thread
@@ -340,16 +385,21 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             slots = slots.index_select(0, positions.long())
         num_rows = int(slots.shape[0])
         whole = _fits(num_rows, self._staged_token, self.cfg.staging_bytes)
-        copy_done = copy_start = staging = pieces = stream = None
+        copy_done = copy_start = staging = pieces = stream = slot = None
         perm = self._perm
         t_stream = time.perf_counter()
-        if kv.is_cuda:
+        if kv.is_cuda and whole and self._ring_host is not None:
+            if mask is None:
+                mask = loss_mask(info, num_tokens)
+            slot = self._ring_slot(num_rows, mask, positions, pending.token_ids)
+        if kv.is_cuda and slot is None:
             elems = kv.numel() // (kv.shape[0] * self._block_size)  # values per token (all layers)
             token_bytes = elems + 4 * max(1, len(self.layer_ids)) if quantize else elems * kv.element_size()
             nbytes = num_rows * token_bytes + SLACK if whole else self.cfg.staging_bytes
             staging = self._pinned.take(nbytes) if self._pinned is not None else None
             if staging is None and not wait and self._pinned is not None and self._pinned.capacity > 0:
                 return False  # every pinned buffer busy: later, never a synchronous copy here
+        if kv.is_cuda:
             stream = self._get_copy_stream()
             ready = torch.cuda.Event()
             ready.record()  # at bind time: before this step's forward, after every earlier write
@@ -364,7 +414,16 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 # From pinned memory: CUDA may make a pageable host-to-device copy wait for the copy
                 # stream first, which would block the engine thread until the earlier work is done.
                 perm, slots = self._perm_dev, slots.pin_memory().to(kv.device, non_blocking=True)
-            if whole:  # configured layer order; fp8: quantized on the GPU
+            if slot is not None:  # straight into the page-locked ring slot
+                hosts = [slot.tensors[k] for k in _STAGED if k in slot.tensors]
+                try:
+                    self._note_staging(stage_into(kv, slots, perm, quantize, hosts))
+                except BaseException:
+                    self._publisher.release_slot(slot)
+                    raise
+                copy_done = torch.cuda.Event(enable_timing=True)
+                copy_done.record(stream)
+            elif whole:  # configured layer order; fp8: quantized on the GPU
                 hosts, work = stage_whole(kv, slots, perm, quantize, staging)
                 self._note_staging(work)
                 if staging is not None and hosts[0].data_ptr() != staging.data_ptr():
@@ -386,6 +445,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         tm.extracted += 1
         if staging is not None:
             self._note_staging(staging.numel())
+        elif slot is not None:
+            self._timing.ring_staged += 1
         elif kv.is_cuda:
             self._timing.pageable_copies += 1  # no pinned pool (pinned_buffers: 0) or shutdown
         lock_fd = self._lock_fds.pop(pending.req_id, None)
@@ -393,7 +454,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             lock_fd = take_lock(info.path)
         self._pending_copies[pending.req_id] = pieces or copy_done
         job = SendJob(pending.req_id, info, pending.token_ids.clone(), hosts[0], copy_done, staging, lock_fd)
-        job.pieces = pieces
+        job.pieces, job.slot = pieces, slot
         job.copy_start = copy_start if copy_done is not None else None
         if quantize:
             job.hidden_scale, job.model_dtype = hosts[1], kv.dtype
@@ -514,7 +575,20 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         tensors["token_ids"] = job.token_ids
         slot = fused = None
         tree = self.cfg.transport.checksum == "xxh3-tree"
-        if job.staging is not None or job.pieces is not None:
+        if job.slot is not None:
+            # Its rows were copied from the device into this ring slot: only the small host
+            # tensors (loss mask, positions, token ids) are written here.
+            t0 = time.perf_counter()
+            slot = job.slot
+            out = dict(slot.tensors)
+            if list(out) != list(tensors):  # (a failure stops the engine: the slot is not given back)
+                raise RuntimeError(f"ring slot holds {list(out)}, the sample {list(tensors)}")
+            for k, t in tensors.items():
+                if out[k] is not t:
+                    out[k].copy_(t)
+            tensors = out
+            self._timing.copy_s += time.perf_counter() - t0
+        elif job.staging is not None or job.pieces is not None:
             # Out of the pinned buffer (it goes back to the pool at once), or piece by piece off the
             # cache (a sample over staging_bytes): straight into a slot of the Publisher's
             # shared-memory ring when there is room (the one host copy a same-host student needs),
@@ -603,6 +677,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._sender is not None:
             self._queue.put(_STOP)
             self._sender.join()
+        if self._ring_host is not None:  # no copy into the ring is left; the Publisher still reads it
+            self._ring_host.close()
         if self._publisher is not None:
             pub = self._publisher
             pub.close_input()

@@ -137,6 +137,47 @@ def stage_whole(kv, slots, perm, quantize: bool, staging) -> tuple[list[torch.Te
     return [t.to("cpu") for t in parts], work
 
 
+def staged_specs(num_rows: int, layers: int, hidden: int, dtype: torch.dtype, quantize: bool) -> dict:
+    """name -> (shape, dtype) of what comes off the cache for `num_rows` rows: `hidden_states`
+    [rows, layers, hidden] in the model dtype, or with fp8 its float8 values and `hidden_scale`
+    [rows, layers] float32."""
+    shape = [num_rows, layers, hidden]
+    if not quantize:
+        return {"hidden_states": (shape, dtype)}
+    return {"hidden_states": (shape, fp8.FP8), fp8.SCALE_KEY: (shape[:2], torch.float32)}
+
+
+def stage_into(kv, slots, perm, quantize: bool, dsts: list[torch.Tensor]) -> int:
+    """Gather (fp8: and quantize) the rows at `slots` and copy them into `dsts` (host tensors
+    shaped as `staged_specs`, page-locked: the copies are non-blocking, the caller records an
+    event); returns the bytes of the gather's tensors."""
+    rows = gather_rows(kv, slots, perm)
+    parts = list(fp8.quantize(rows)) if quantize else [rows]
+    for d, t in zip(dsts, parts, strict=True):
+        if d.shape != t.shape or d.dtype != t.dtype:
+            raise RuntimeError(f"staged {list(t.shape)} {t.dtype} into {list(d.shape)} {d.dtype}")
+        d.copy_(t, non_blocking=True)
+    return working_bytes(rows, parts)
+
+
+class HostRegistration:
+    """Host memory page-locked for CUDA (cudaHostRegister) until `close`: a device-to-host copy into
+    it runs asynchronously on its stream, as into memory pinned by torch. RuntimeError (one line)
+    when the driver refuses."""
+
+    def __init__(self, address: int, nbytes: int):
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(address, nbytes, 0)
+        if err != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+        self.address, self.nbytes = address, nbytes
+
+    def close(self) -> None:
+        if self.address:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.address = 0
+
+
 class Pieces:
     """One sample over the staging bound, copied off the cache piece by piece (`run`, on the
     connector's sender thread) into its destination.
@@ -167,13 +208,8 @@ class Pieces:
         """Shape and dtype of what `run` fills (hidden_states; with fp8 also hidden_scale), as
         tensors on the meta device (no memory)."""
         layers = self.perm.numel() if self.perm is not None else self.kv.shape[1]
-        shape = [self.num_tokens, layers, self.kv.shape[3]]
-        if not self.quantize:
-            return [torch.empty(shape, dtype=self.kv.dtype, device="meta")]
-        return [
-            torch.empty(shape, dtype=fp8.FP8, device="meta"),
-            torch.empty(shape[:2], dtype=torch.float32, device="meta"),
-        ]
+        specs = staged_specs(self.num_tokens, layers, self.kv.shape[3], self.kv.dtype, self.quantize)
+        return [torch.empty(shape, dtype=dt, device="meta") for shape, dt in specs.values()]
 
     def run(self, dsts: list[torch.Tensor], copy=None) -> None:
         """Fill `dsts` (CPU tensors shaped as `placeholders`) piece by piece; `copy(dst, src)`
