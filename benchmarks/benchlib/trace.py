@@ -75,11 +75,11 @@ def summarize(events: list[dict], top: int = 8) -> dict:
         per[name][0] += e["dur"]
         per[name][1] += _covered(gpu, starts, a, b)
         per[name][2] += 1
-    for name, (host, cov, n) in sorted(per.items(), key=lambda x: -x[1][0]):
+    for name, (host_us, cov, n) in sorted(per.items(), key=lambda x: -x[1][0]):
         phases[name] = {
-            "ms_per_iter": round(host / 1000 / iters, 2),
-            "share_of_window": round(host / window, 3),
-            "gpu_busy_during": round(cov / max(host, 1e-9), 3),
+            "ms_per_iter": round(host_us / 1000 / iters, 2),
+            "share_of_window": round(host_us / window, 3),
+            "gpu_busy_during": round(cov / max(host_us, 1e-9), 3),
             "calls": n,
         }
     runtime = collections.Counter()

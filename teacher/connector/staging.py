@@ -4,7 +4,9 @@ off vLLM's hidden-state cache without holding more than the bound at once for it
 The cache `kv` is seen as [blocks, L, block_size, H] (`cache_view`: vLLM releases differ in where
 the block dimension goes). A request's rows are gathered at its cache slots in one indexing step
 (`gather_rows`, the configured layer order folded in), optionally quantized to fp8, and copied to
-host memory: on CUDA through a pinned staging buffer, on the CPU straight into the destination.
+host memory: on CUDA straight into the sample's slot of the Publisher's shared-memory ring when
+that ring is page-locked for the device (`teacher.ring_staging`, `stage_into`, `HostRegistration`),
+else through a pinned staging buffer; on the CPU straight into the destination.
 
 A sample whose working set fits the bound (`fits`) is staged whole, as before. A larger one is a
 `Pieces` job: the connector's sender thread gathers it `piece_tokens` tokens at a time into one of
