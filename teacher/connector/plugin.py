@@ -361,7 +361,10 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         )
         if size > self.cfg.transport.max_buffer_bytes:
             return None
-        return self._publisher.ring_slot(specs)
+        # Normal tensors, not inference tensors (the engine step runs in inference mode): the
+        # sender thread writes the small tensors into the slot outside it.
+        with torch.inference_mode(False):
+            return self._publisher.ring_slot(specs)
 
     def _extract(self, pending, info: SampleInfo | None, *, wait: bool = False) -> bool:
         """Copy one finished request's rows off the cache and queue them for the sender thread

@@ -169,6 +169,7 @@ def test_rows_go_from_the_device_straight_into_the_page_locked_ring(tmp_path, hi
     kv = torch.randn(16, 4, 16, 512, device="cuda").to(torch.bfloat16)
     conn = _connector(tmp_path, tcfg, kv, [3, 0, 2], hidden_dtype)
     conn._pinned = PinnedBlock(16 * MiB, 4)
+    conn._copy_stream = None  # (vLLM's reference connector makes its copy stream on first use)
 
     class Pending:
         req_id, block_ids, filename = "req-1", [5, 2, 9, 11], str(tmp_path / "spool" / "x")
@@ -183,7 +184,8 @@ def test_rows_go_from_the_device_straight_into_the_page_locked_ring(tmp_path, hi
         try:
             slots = slot_mapping(Pending.block_ids, 16, 57).cuda()
             rows = gather_rows(kv, slots, conn._perm.cuda())
-            assert conn._extract(Pending(), info)
+            with torch.inference_mode():  # as on the engine step
+                assert conn._extract(Pending(), info)
             job = conn._queue.get_nowait()
             assert job.slot is not None and job.staging is None and conn._timing.ring_staged == 1
             assert conn._pinned.peak_bytes == 0  # no pinned range was taken
