@@ -125,12 +125,14 @@ def test_a_sample_already_in_its_ring_slot_is_hashed_in_place_and_never_copied(t
     with Publisher(tcfg, conn.cfg.spool) as pub, Subscriber(tcfg) as sub:
         conn._publisher = pub
         assert wait_until(lambda: pub.stats()["students"] >= 1, 10), pub.stats()
-        slot = conn._ring_slot(40, mask, None, token_ids)
-        assert slot is not None and list(slot.tensors) == ["hidden_states", "loss_mask", "token_ids"]
-        hs = slot.tensors["hidden_states"]
-        assert list(hs.shape) == [40, 2, 64] and hs.dtype == torch.bfloat16
         want = torch.randn(40, 2, 64).to(torch.bfloat16)
-        hs.copy_(want)  # what the device's copy writes
+        with torch.inference_mode():  # the engine step (vLLM runs it in inference mode)
+            slot = conn._ring_slot(40, mask, None, token_ids)
+            assert slot is not None and list(slot.tensors) == ["hidden_states", "loss_mask", "token_ids"]
+            hs = slot.tensors["hidden_states"]
+            assert list(hs.shape) == [40, 2, 64] and hs.dtype == torch.bfloat16
+            hs.copy_(want)  # what the device's copy writes
+        # The sender thread (outside inference mode) writes the small tensors into the same slot.
         job = SendJob("req-1", info, token_ids, hs, None, None, None)
         job.slot, job.loss_mask = slot, mask
         conn._place(job)
