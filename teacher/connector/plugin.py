@@ -329,6 +329,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         """ring_staging: page-lock the Publisher's whole ring for the GPU, so that each sample's
         rows are copied from the device straight into its ring slot (no pinned buffer, no host copy
         out of it). Without a ring, or one its filesystem cannot hold whole, the pinned path."""
+        t0 = time.perf_counter()
         mem = self._publisher.ring_memory()
         if mem is not None:
             try:
@@ -338,7 +339,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if self._ring_host is not None:
             logger.info(
                 "distill: device-to-host copies go straight into the shared-memory ring (%d bytes "
-                "page-locked)", self._ring_host.nbytes,
+                "reserved and page-locked in %.1f s)", self._ring_host.nbytes, time.perf_counter() - t0,
             )  # fmt: skip
         else:
             logger.info(
