@@ -23,12 +23,14 @@ Scheduler side (engine core process)
     get_num_new_matched_tokens / update_state_after_alloc  store-only connector: nothing to load.
 Worker side (each worker process; only tensor-parallel rank 0 sends)
     register_kv_caches(kv_caches)  once at start: finds the hidden-state cache; rank 0 starts the
-        Publisher (binds the transport endpoints) and the sender thread.
+        Publisher (binds the transport endpoints; CUDA with `ring_staging`: page-locks its ring)
+        and the sender thread.
     wait_for_save()  every step: takes an exclusive flock on `<spool path>.lock` of new requests.
     bind_connector_metadata(meta)  every step, before its forward: gathers the rows of the
         requests that finished in an earlier step from the cache, copies them to host memory (CUDA:
-        on a side stream that waits only for the work already queued, into reused pinned buffers,
-        beside this step's forward; CPU: a plain gather) and queues them for the sender thread (a
+        on a side stream that waits only for the work already queued, beside this step's forward,
+        straight into the sample's slot of the page-locked shared-memory ring (`ring_staging`) or
+        else into reused pinned buffers; CPU: a plain gather) and queues them for the sender thread (a
         sample over `staging_bytes`: in pieces, by that thread, teacher/connector/staging.py).
     get_finished(finished_req_ids)  every step, after the forward is launched: reports a request
         "finished sending" once its rows are off the cache, so vLLM can free its blocks. The engine
@@ -369,7 +371,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
 
     def _extract(self, pending, info: SampleInfo | None, *, wait: bool = False) -> bool:
         """Copy one finished request's rows off the cache and queue them for the sender thread
-        (CUDA: on a side stream into a reused pinned buffer; CPU: a plain gather). False (nothing
+        (CUDA: on a side stream into its ring slot (`ring_staging`) or else a reused pinned buffer;
+        CPU: a plain gather). False (nothing
         done) when every pinned staging buffer is busy: the caller keeps the request's blocks and
         tries again at a later step. `wait`: never defer (a pageable, synchronous copy instead;
         used at shutdown). A sample over `staging_bytes` is queued as `Pieces`
