@@ -209,3 +209,36 @@ def test_rows_go_from_the_device_straight_into_the_page_locked_ring(tmp_path, hi
             assert wait_until(lambda: pub.stats()["acked"] >= 1, 10), pub.stats()
         finally:
             conn._ring_host.close()
+
+
+_SMALL_TMPFS_RING = r"""
+import sys, torch
+from distill.config import SpoolConfig, TransportConfig
+from distill.transport import Publisher
+
+d = sys.argv[1]
+for size in (64 << 20, 4 << 20):  # rings of 64 MB and 4 MB in an 8 MB tmpfs
+    cfg = TransportConfig(bind=[f"ipc://{d}/t{size}.sock"], shm_dir=d, shm="on", shm_bytes=size)
+    with Publisher(cfg, SpoolConfig(dir=sys.argv[2])) as pub:
+        mem = pub.ring_memory()
+        slot = pub.ring_slot({"hidden_states": ([256, 1024], torch.float32)})  # 1 MB
+        if slot is not None:
+            slot.tensors["hidden_states"].fill_(1.0)
+            pub.release_slot(slot)
+        print("ring", size, "memory", None if mem is None else mem[1], "slot", slot is not None, flush=True)
+"""
+
+
+def test_a_ring_larger_than_its_tmpfs_is_not_page_locked_and_still_takes_slots(tmp_path):
+    """A container's small /dev/shm: a ring it cannot hold whole is not offered for page-locking
+    (the connector keeps the pinned path; no SIGBUS from pinning unbacked pages) and its slots still
+    work as before (each reserved when taken); a ring that fits is reserved whole. A real 8 MB tmpfs
+    in a mount namespace of its own (skipped without root and unshare)."""
+    from test_transport_bounds import _in_small_tmpfs
+
+    r = _in_small_tmpfs(tmp_path, _SMALL_TMPFS_RING, str(tmp_path / "spool"))
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    lines = [x.split() for x in r.stdout.splitlines() if x.startswith("ring")]
+    assert [x[1] for x in lines] == [str(64 << 20), str(4 << 20)], r.stdout
+    assert lines[0][3] == "None" and lines[0][5] == "True", r.stdout  # too big: not offered, slots work
+    assert int(lines[1][3]) >= 4 << 20 and lines[1][5] == "True", r.stdout  # fits: reserved whole
