@@ -108,6 +108,11 @@ def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def spec_sizes(specs: dict[str, tuple[list[int], torch.dtype]]) -> list[int]:
+    """Bytes of each (shape, dtype) in `specs`, in order (what a slot for them holds, unpadded)."""
+    return [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs.values()]
+
+
 class _Backed:
     """Byte ranges of the ring file whose pages are reserved (posix_fallocate), as sorted disjoint
     intervals. Never shrinks: freed slots keep their pages for the next sample."""
@@ -197,7 +202,7 @@ class ShmRing:
     def slot(self, specs: dict[str, tuple[list[int], torch.dtype]], stamp: int) -> RingSlot | None:
         """A slot for tensors of these (shape, dtype), stamped `stamp`, as writable tensor views; None
         when the ring has no room."""
-        sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs.values()]
+        sizes = spec_sizes(specs)
         off = self.alloc(STAMP_BYTES + sum(_pad(n) for n in sizes))
         if off is None:
             return None

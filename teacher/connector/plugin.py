@@ -49,7 +49,6 @@ rows `capture: loss_mask` keeps and the layer order: teacher/README.md, "Request
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -71,6 +70,7 @@ except ImportError:  # vLLM 0.26
 from distill import fp8
 from distill.capture import CAPTURES, POSITIONS_KEY, held_positions
 from distill.protocol import Sample
+from distill.shm import spec_sizes
 from distill.spool import lock_path, spool_name, write_sample
 from teacher.config import ConnectorConfig
 from teacher.connector.parts import (
@@ -359,10 +359,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if positions is not None:
             specs[POSITIONS_KEY] = (list(positions.shape), positions.dtype)
         specs["token_ids"] = (list(token_ids.shape), token_ids.dtype)
-        size = sum(
-            math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs.values()
-        )
-        if size > self.cfg.transport.max_buffer_bytes:
+        if sum(spec_sizes(specs)) > self.cfg.transport.max_buffer_bytes:
             return None
         # Normal tensors, not inference tensors (the engine step runs in inference mode): the
         # sender thread writes the small tensors into the slot outside it.
