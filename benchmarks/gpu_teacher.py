@@ -11,6 +11,7 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     B    vLLM's ExampleHiddenStatesConnector writing one safetensors file per request to
          ``--storage`` (/dev/shm), and a reader *process* (8 threads) that loads every file with
          vLLM's ``load_hidden_states`` while ``generate()`` runs, checks it and deletes it
+    B8   as B with C8's layer ids: what 8 layers cost vLLM's own extraction and file path
     C    our connector (teacher/connector/plugin.py) streaming to student-side receiver process(es)
          (``distill.transport.Subscriber``) on this host, ``transport.shm=auto`` (shared memory)
     C4   as C with ``pinned_buffers: 4`` (the old default: most copies take the synchronous path)
@@ -123,6 +124,7 @@ QWEN3_8B_CONFIG = {
 MODES = {
     "A": ("plain", None, None, {}),
     "B": ("file", "layers", None, {}),
+    "B8": ("file", "layers8", None, {}),  # vLLM's file path with C8's layers: its own cost of 8 layers
     "C": ("ours", "layers", "auto", {}),
     "C4": ("ours", "layers", "auto", {"pinned_buffers": 4}),  # the first run's default
     "Cs": ("ours", "layers", "auto", {"copy_threads": 1, "receiver_threads": 1}),  # serial copies
@@ -632,6 +634,8 @@ _CONNECTOR_LOG = {
     "timing": re.compile(r"distill: connector timing: (\{.*?\})"),
     "publisher": re.compile(r"distill: publisher closed: (\{.*\})"),
     "cuda_allocator": re.compile(r"distill: cuda allocator: (\{.*?\})"),
+    # the same counters from the first engine step on (vLLM's start-up and graph capture left out)
+    "cuda_allocator_run": re.compile(r"distill: cuda allocator since the first step: (\{.*?\})"),
 }
 
 

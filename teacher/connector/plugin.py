@@ -117,6 +117,15 @@ logger = init_logger("vllm.teacher.connector")  # under "vllm" so it shares vLLM
 _STOP = object()  # sender-thread sentinel
 _DEFERRED = object()  # _pending_copies value of a request waiting for a free pinned buffer
 _STAGED = ("hidden_states", fp8.SCALE_KEY)  # what comes off the cache (the rest is built on the host)
+_ALLOCATOR_KEYS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def _allocator_counts(device) -> dict:
+    """The CUDA caching allocator's counters of this process that stall an engine (vLLM's
+    allocations included): retries after freeing cached memory, device-wide syncs, cudaMalloc and
+    cudaFree calls (a cudaFree waits for the device)."""
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k) for k in _ALLOCATOR_KEYS}
 
 
 class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
@@ -129,6 +138,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     _staged_token = 0  # (every sample then fits the staging bound: staged whole)
     _peak_lock = threading.Lock()
     _ring_host: HostRegistration | None = None  # the Publisher's ring, page-locked (ring_staging)
+    _cache: torch.Tensor | None = None  # the hidden-state cache view (register_kv_caches)
+    _allocator_at_start: dict | None = None  # CUDA allocator counters at the first engine step
 
     def __init__(
         self,
@@ -512,6 +523,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         taken off the cache here, so on CUDA their copy overlaps this step's forward instead of
         waiting for it (the copy stream waits on an event recorded now)."""
         super().bind_connector_metadata(connector_metadata)
+        if self._allocator_at_start is None and self._cache is not None and self._cache.is_cuda:
+            self._allocator_at_start = _allocator_counts(self._cache.device)
         self._check_sender()  # a dead sender would never take a queued job
         self._retry_deferred()
         meta = connector_metadata
@@ -737,6 +750,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if getattr(self, "_kv_cache", None) is not None and self._kv_cache.is_cuda:
                 # allocation retries and device-wide syncs of the worker process (vLLM's included):
                 # a gather that has to free cached memory first stalls the engine
-                stats = torch.cuda.memory_stats(self._kv_cache.device)
-                keys = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
-                logger.info("distill: cuda allocator: %s", {k: stats.get(k) for k in keys})
+                now = _allocator_counts(self._kv_cache.device)
+                logger.info("distill: cuda allocator: %s", now)
+                if self._allocator_at_start is not None:  # the same, counted from the first step on
+                    since = {
+                        k: now[k] - v
+                        for k, v in self._allocator_at_start.items()
+                        if now.get(k) is not None and v is not None
+                    }
+                    logger.info("distill: cuda allocator since the first step: %s", since)

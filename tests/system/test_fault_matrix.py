@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -158,8 +159,15 @@ def start_synthetic(procs: Procs, name: str, model: Path, data: Path, run: Path,
     return procs.start(name, cmd, env=student_env(), prefix=list(prefix))
 
 
+def _script(name: str, module: list[str]) -> list[str]:
+    """The installed console script `name`, or `python -m ...` where it is not installed (a tree
+    on PYTHONPATH, as on the GPU device)."""
+    path = BIN / name
+    return [str(path)] if path.exists() else [PY, "-m", *module]
+
+
 def start_vllm(procs: Procs, name: str, run: Path, *sets: str):
-    cmd = [str(BIN / "distill-teacher"), "--config", str(run)]
+    cmd = [*_script("distill-teacher", ["teacher.cli"]), "--config", str(run)]
     for s in sets:
         cmd += ["--set", s]
     return procs.start(name, cmd, env=teacher_env())
@@ -168,7 +176,9 @@ def start_vllm(procs: Procs, name: str, run: Path, *sets: str):
 def start_students(
     procs: Procs, name: str, run: Path, *sets: str, nproc: int = 2, launch=(), prefix=(), env=None
 ):
-    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc)]
+    launcher = _script("accelerate", ["accelerate.commands.launch"])
+    launcher += ["launch"] if len(launcher) == 1 else []
+    cmd = [*launcher, "--multi_gpu", "--num_processes", str(nproc)]
     cmd += list(launch) or ["--main_process_port", str(faults.free_port())]
     cmd += ["student.py", "--config", str(run)]
     for s in sets:
@@ -700,6 +710,72 @@ def test_students_ten_times_slower_than_the_teacher(procs, tmp_path, tiny_teache
         t0,
         teacher_gen_s=gen_s,
         students_train_s=round(train_s, 1),
+    )
+
+
+def _cuda_teacher() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@vllm_row
+@pytest.mark.skipif(not _cuda_teacher(), reason="ring staging is CUDA-only: needs vLLM on a GPU")
+def test_one_rank_frozen_past_heartbeat_cuda_teacher_ring_staging(procs, tmp_path, tiny_teacher, texts):
+    """On a GPU (the device, not CI): the real `distill-teacher` with `teacher.ring_staging` on (the
+    default), so samples are copied from the GPU straight into their ring slots, and a 1 MiB ring
+    (~10 samples) that wraps and fills, so samples also take the pinned path and the spool. Two CPU
+    student ranks (CUDA hidden from them); rank 1 SIGSTOPped (whole tree) 12 s past
+    heartbeat_timeout_s once 16 samples are committed, then SIGCONT: what it held is redelivered,
+    nothing trained twice or lost, both processes end by themselves with 0, and samples did go
+    through ring staging."""
+    _need_vllm()
+    n = 160
+    data, expected = dataset(tmp_path, texts, n)
+    run = run_file(
+        tmp_path,
+        tiny_teacher,
+        data,
+        faults.free_port(),
+        vllm=True,
+        transport={"shm": "auto", "shm_bytes": 1 << 20},
+        teacher={"dtype": "bfloat16", "gpu_memory_utilization": 0.3},
+    )
+    t0 = time.monotonic()
+    teacher = start_vllm(procs, "teacher", run)
+    students = start_students(procs, "students", run, env={"CUDA_VISIBLE_DEVICES": ""})
+    wait_until(
+        lambda: len(committed(run)) >= 16, 300, "16 samples trained", check=alive_or_fail(teacher, students)
+    )
+    ranks = students.ranks()
+    stopped = [p for p in rank_tree(ranks[1])]
+    freeze(stopped)
+    try:
+        time.sleep(HB + 12)
+    finally:
+        thaw(stopped)
+    s_rc = wait_students(students, 300)
+    t_rc = teacher.wait(120)
+    codes = {"students": s_rc, "teacher": t_rc}
+    assert codes == {"students": 0, "teacher": 0}, f"{codes}\n{students.tail()}\n{teacher.tail()}"
+    log = teacher.text()
+    assert "straight into the shared-memory ring" in log, f"ring staging was not on:\n{teacher.tail()}"
+    staged = sum(int(m) for m in re.findall(r"'ring_staged': (\d+)", log))
+    assert staged > 0, f"no sample went through ring staging:\n{teacher.tail()}"
+    stats = teacher_summary(run)["stats"]
+    report(
+        "one rank frozen, CUDA teacher, ring staging",
+        run,
+        expected,
+        codes,
+        t0,
+        frozen_s=HB + 12,
+        ring_staged=staged,
+        redelivered=stats.get("redelivered"),
+        spooled=stats.get("spooled"),
+        ended_by_itself=faults.ended_by_itself(procs),
     )
 
 
