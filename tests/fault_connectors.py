@@ -5,6 +5,8 @@ with tests/ on the engine's PYTHONPATH). The live probe (`teacher.verify_every`)
 FlipConnector      adds 1 to the first value of every sample it sends (after hashing: the
                    Publisher hashes the changed bytes, so only the probe can tell)
 MislabelConnector  delivers the cache's ascending layer order under the configured labels
+FailPlaceConnector its sender thread fails to place every sample (neither streamed nor spooled),
+                   as a full or broken spool disk and a closed Publisher would
 """
 
 from __future__ import annotations
@@ -25,3 +27,8 @@ class MislabelConnector(DistillHiddenStatesConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._perm = None  # the configured order is [4, 0, 2]: delivered as cached, [0, 2, 4]
+
+
+class FailPlaceConnector(DistillHiddenStatesConnector):
+    def _place(self, job):
+        raise OSError(28, "injected: no space left to place the sample")

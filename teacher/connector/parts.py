@@ -339,8 +339,9 @@ class StatsWriter:
     (atomically): how distill-teacher, in another process, reads the generate phase's counters
     (teacher/metrics.py)."""
 
-    def __init__(self, pub, path: str, every_s: float = 1.0):
+    def __init__(self, pub, path: str, every_s: float = 1.0, extra=None):
         self.pub, self.path, self.every_s = pub, path, every_s
+        self.extra = extra  # () -> dict merged into each write (the connector's sender failure)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distill-stats", daemon=True)
         self._thread.start()
@@ -351,9 +352,12 @@ class StatsWriter:
 
     def write(self) -> None:
         try:
-            tmp = f"{self.path}.{os.getpid()}.tmp"
+            tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"  # (sender thread too)
+            stats = self.pub.stats()
+            if self.extra is not None:
+                stats.update(self.extra())
             with open(tmp, "w") as f:
-                json.dump(self.pub.stats(), f)
+                json.dump(stats, f)
             os.replace(tmp, self.path)
         except (OSError, TypeError, ValueError) as e:  # metrics only: never stops the engine
             logger.warning("distill: cannot write publisher stats to %s: %s", self.path, e)

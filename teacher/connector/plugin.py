@@ -323,7 +323,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if self._kv_cache.is_cuda and self.cfg.ring_staging:
                 self._register_ring()
             if self.cfg.stats_path:
-                self._stats = StatsWriter(self._publisher, self.cfg.stats_path)
+                self._stats = StatsWriter(self._publisher, self.cfg.stats_path, extra=self._sender_failure)
         else:
             import secrets
             import socket
@@ -511,6 +511,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 return
             self._deferred.popleft()
 
+    def _sender_failure(self) -> dict:
+        """For the stats file: why the sender thread stopped placing samples, if it did."""
+        e = self._sender_error
+        return {} if e is None else {"sender_error": f"{type(e).__name__}: {e}"}
+
     def _check_sender(self) -> None:
         if self._sender_error is not None:
             raise RuntimeError(
@@ -565,6 +570,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 logger.exception("distill: placing sample %r failed", job.info.key)
                 if self._sender_error is None:
                     self._sender_error = e
+                    if self._stats is not None:  # distill-teacher names it when the engine dies of it
+                        self._stats.write()
             finally:
                 if job.lock_fd is not None:
                     os.close(job.lock_fd)  # releases LOCK_EX: load_hidden_states readers proceed

@@ -231,7 +231,10 @@ def _run_engine(r: Run, conn: ConnectorConfig, windows: Windows, first, stop: St
             log.info("engine shut down in %.1fs", time.monotonic() - t_sd)
             del llm
     if dead is not None:
-        raise EngineDied(dead)
+        # The connector's sender thread failing (a sample neither streamed nor spooled) stops the
+        # engine at its next step; vLLM's message then names only the engine.
+        cause = (read_stats_file(r.stats_path()) or {}).get("sender_error")
+        raise EngineDied(f"the connector could not place a sample ({cause}): {dead}" if cause else dead)
 
 
 def _generate_windows(llm, windows: Windows, cur, prefetch, progress, stop: Stop) -> str | None:

@@ -1111,3 +1111,43 @@ def test_live_probe_passes_clean_runs_and_catches_corrupted_samples(assets, tmp_
         assert s["exit_code"] == 5 and v["mismatches"] >= 1 and "verify mismatch" in s["reason"]
         assert "distill-teacher: the live probe found" in r.stderr
     assert not list_spool(Path(f"{tmp_path / 'journal.txt'}.verify"))  # copies removed once checked
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sender_failing_every_placement_ends_the_run_and_a_restart_finishes_it(assets, tmp_path):
+    """The connector's sender thread cannot place any sample (tests/fault_connectors.py:
+    FailPlaceConnector, as a broken spool disk would): distill-teacher ends by itself with exit 1,
+    its one line naming the sender's error (not only vLLM's "engine died"), nothing committed or
+    spooled; the same command with the plain connector then finishes the job (every row spooled,
+    exit 0)."""
+    pytest.importorskip("vllm")
+    _, model, data = assets
+    cfg = _config(tmp_path, model, data, after_generation="exit")
+    plain = cfg.read_text()
+    c = yaml.safe_load(plain)
+    c["teacher"]["engine_args"] = {
+        "kv_transfer_config": {
+            "kv_connector": "FailPlaceConnector",
+            "kv_connector_module_path": "fault_connectors",
+        }
+    }
+    cfg.write_text(yaml.safe_dump(c))
+    tests_dir = str(Path(__file__).resolve().parents[1])  # tests/fault_connectors.py
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    r = _run(cfg, "teacher.max_samples=4", env={"PYTHONPATH": path}, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("distill-teacher: the vLLM engine died")]
+    assert said and "could not place a sample (OSError" in said[0] and "injected: no space left" in said[0], (
+        r.stderr[-3000:]
+    )
+    s = _summary(cfg)
+    assert s["exit_code"] == 1 and "injected: no space left" in s["reason"], s
+    assert (s["committed"], s["spooled"], s["missing"]) == (0, 0, 4), s
+    assert not list_spool(tmp_path / "spool")
+    cfg.write_text(plain)  # the same run with the plain connector
+    r = _run(cfg, "teacher.max_samples=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = _summary(cfg)
+    assert (s["spooled"], s["missing"]) == (4, 0), s
+    assert len(list_spool(tmp_path / "spool")) == 4
