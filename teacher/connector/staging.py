@@ -169,7 +169,16 @@ class HostRegistration:
 
     def __init__(self, address: int, nbytes: int):
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(address, nbytes, 0)
+        # On a thread of its own: a refusal (e.g. a ring file on a disk filesystem, whose pages the
+        # driver will not pin) is recorded as that host thread's CUDA "last error", which torch's
+        # check after the next kernel launch on the calling (engine) thread would raise as its own.
+        out: list = []
+        t = threading.Thread(
+            target=lambda: out.append(cudart.cudaHostRegister(address, nbytes, 0)), name="distill-register"
+        )
+        t.start()
+        t.join()
+        err = out[0] if out else None
         if err != cudart.cudaError.success:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
         self.address, self.nbytes = address, nbytes

@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -723,60 +725,76 @@ def _cuda_teacher() -> bool:
 
 @vllm_row
 @pytest.mark.skipif(not _cuda_teacher(), reason="ring staging is CUDA-only: needs vLLM on a GPU")
-def test_one_rank_frozen_past_heartbeat_cuda_teacher_ring_staging(procs, tmp_path, tiny_teacher, texts):
+@pytest.mark.parametrize("ring_on", ["tmpfs", "disk"])
+def test_one_rank_frozen_past_heartbeat_cuda_teacher_ring_staging(
+    procs, tmp_path, tiny_teacher, texts, ring_on
+):
     """On a GPU (the device, not CI): the real `distill-teacher` with `teacher.ring_staging` on (the
-    default), so samples are copied from the GPU straight into their ring slots, and a 1 MiB ring
-    (~10 samples) that wraps and fills, so samples also take the pinned path and the spool. Two CPU
-    student ranks (CUDA hidden from them); rank 1 SIGSTOPped (whole tree) 12 s past
-    heartbeat_timeout_s once 16 samples are committed, then SIGCONT: what it held is redelivered,
-    nothing trained twice or lost, both processes end by themselves with 0, and samples did go
-    through ring staging."""
+    default) and a 1 MiB ring (~10 samples) that wraps and fills, so samples also take the pinned
+    path and the spool. Two CPU student ranks (CUDA hidden from them); rank 1 SIGSTOPped (whole
+    tree) 12 s past heartbeat_timeout_s once 16 samples are committed, then SIGCONT: what it held is
+    redelivered, nothing trained twice or lost, both processes end by themselves with 0.
+    tmpfs: the ring in /dev/shm, page-locked: samples go from the GPU straight into their slots.
+    disk: the ring file on a disk folder, whose pages the driver may refuse to pin: then the
+    refusal is one warning and the pinned path (it once killed the engine at start)."""
     _need_vllm()
     n = 160
     data, expected = dataset(tmp_path, texts, n)
-    run = run_file(
-        tmp_path,
-        tiny_teacher,
-        data,
-        faults.free_port(),
-        vllm=True,
-        transport={"shm": "auto", "shm_bytes": 1 << 20},
-        teacher={"dtype": "bfloat16", "gpu_memory_utilization": 0.3},
-    )
-    t0 = time.monotonic()
-    teacher = start_vllm(procs, "teacher", run)
-    students = start_students(procs, "students", run, env={"CUDA_VISIBLE_DEVICES": ""})
-    wait_until(
-        lambda: len(committed(run)) >= 16, 300, "16 samples trained", check=alive_or_fail(teacher, students)
-    )
-    ranks = students.ranks()
-    stopped = [p for p in rank_tree(ranks[1])]
-    freeze(stopped)
+    ring_dir = Path(tempfile.mkdtemp(dir="/dev/shm")) if ring_on == "tmpfs" else tmp_path
     try:
-        time.sleep(HB + 12)
+        run = run_file(
+            tmp_path,
+            tiny_teacher,
+            data,
+            faults.free_port(),
+            vllm=True,
+            transport={"shm": "auto", "shm_bytes": 1 << 20, "shm_dir": str(ring_dir)},
+            teacher={"dtype": "bfloat16", "gpu_memory_utilization": 0.3},
+        )
+        t0 = time.monotonic()
+        teacher = start_vllm(procs, "teacher", run)
+        students = start_students(procs, "students", run, env={"CUDA_VISIBLE_DEVICES": ""})
+        wait_until(
+            lambda: len(committed(run)) >= 16,
+            300,
+            "16 samples trained",
+            check=alive_or_fail(teacher, students),
+        )
+        stopped = rank_tree(students.ranks()[1])
+        freeze(stopped)
+        try:
+            time.sleep(HB + 12)
+        finally:
+            thaw(stopped)
+        s_rc = wait_students(students, 300)
+        t_rc = teacher.wait(120)
+        codes = {"students": s_rc, "teacher": t_rc}
+        assert codes == {"students": 0, "teacher": 0}, f"{codes}\n{students.tail()}\n{teacher.tail()}"
+        log = teacher.text()
+        staged = sum(int(m) for m in re.findall(r"'ring_staged': (\d+)", log))
+        locked = "straight into the shared-memory ring" in log
+        if ring_on == "tmpfs" or locked:
+            assert locked and staged > 0, f"no sample went through ring staging ({staged}):\n{teacher.tail()}"
+        else:
+            assert "ring not page-locked" in log and staged == 0, teacher.tail()
+        stats = teacher_summary(run)["stats"]
+        report(
+            f"one rank frozen, CUDA teacher, ring on {ring_on}",
+            run,
+            expected,
+            codes,
+            t0,
+            frozen_s=HB + 12,
+            ring_page_locked=locked,
+            ring_staged=staged,
+            redelivered=stats.get("redelivered"),
+            spooled=stats.get("spooled"),
+            ended_by_itself=faults.ended_by_itself(procs),
+        )
+        assert not list(ring_dir.glob("*.ring")), "ring file left"
     finally:
-        thaw(stopped)
-    s_rc = wait_students(students, 300)
-    t_rc = teacher.wait(120)
-    codes = {"students": s_rc, "teacher": t_rc}
-    assert codes == {"students": 0, "teacher": 0}, f"{codes}\n{students.tail()}\n{teacher.tail()}"
-    log = teacher.text()
-    assert "straight into the shared-memory ring" in log, f"ring staging was not on:\n{teacher.tail()}"
-    staged = sum(int(m) for m in re.findall(r"'ring_staged': (\d+)", log))
-    assert staged > 0, f"no sample went through ring staging:\n{teacher.tail()}"
-    stats = teacher_summary(run)["stats"]
-    report(
-        "one rank frozen, CUDA teacher, ring staging",
-        run,
-        expected,
-        codes,
-        t0,
-        frozen_s=HB + 12,
-        ring_staged=staged,
-        redelivered=stats.get("redelivered"),
-        spooled=stats.get("spooled"),
-        ended_by_itself=faults.ended_by_itself(procs),
-    )
+        if ring_dir != tmp_path:
+            shutil.rmtree(ring_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
