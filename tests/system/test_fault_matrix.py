@@ -777,7 +777,7 @@ def test_one_rank_frozen_past_heartbeat_cuda_teacher_ring_staging(
             assert locked and staged > 0, f"no sample went through ring staging ({staged}):\n{teacher.tail()}"
         else:
             assert "ring not page-locked" in log and staged == 0, teacher.tail()
-        stats = teacher_summary(run)["stats"]
+        stats = teacher_summary(run)["transport"]
         report(
             f"one rank frozen, CUDA teacher, ring on {ring_on}",
             run,
