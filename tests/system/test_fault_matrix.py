@@ -736,7 +736,7 @@ def test_one_rank_frozen_past_heartbeat_cuda_teacher_ring_staging(
     redelivered, nothing trained twice or lost, both processes end by themselves with 0.
     tmpfs: the ring in /dev/shm, page-locked: samples go from the GPU straight into their slots.
     disk: the ring file on a disk folder, whose pages the driver may refuse to pin: then the
-    refusal is one warning and the pinned path (it once killed the engine at start)."""
+    refusal is one warning and the pinned path, never a failed engine start."""
     _need_vllm()
     n = 160
     data, expected = dataset(tmp_path, texts, n)
