@@ -232,6 +232,16 @@ def parse_mode(text: str, default_repeats: int):
     return name, receivers, repeats
 
 
+def time_needed(mode: str, walls: list[tuple[str, float]]) -> float:
+    """Seconds to reserve for `mode` before starting it (a mode cut half-way gives no ratio):
+    15% over the last finished mode of the same kind and layer set (its compiled graphs are then
+    cached), else the longest mode so far (a new layer set or kind compiles again); at least 60.
+    `walls`: (mode, wall seconds) of the modes run so far, in order."""
+    kind_layers = MODES[parse_mode(mode, 1)[0]][:2]
+    same = [w for m, w in walls if MODES[parse_mode(m, 1)[0]][:2] == kind_layers]
+    return max(60.0, 1.15 * same[-1] if same else max([0.0, *(w for _, w in walls)]))
+
+
 def layer_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -1149,15 +1159,13 @@ def orchestrate(args, argv):
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    walls: list[float] = []  # wall seconds of each mode run so far
+    walls: list[tuple[str, float]] = []  # (mode, wall seconds) of each mode run so far
     for m in modes:
         tag = m.replace(":", "x").replace("@", "r")
         left = args.total_budget_s - (time.monotonic() - t_begin)
-        need = max([60.0, *walls])  # a mode cut half-way gives no ratio: start only what can end
-        if left < need:
-            log(
-                f"=== mode {m} skipped: {left:.0f} s left of --total-budget-s, the longest mode took {need:.0f}"
-            )
+        need = time_needed(m, walls)  # a mode cut half-way gives no ratio: start only what can end
+        if left - 15 < need:  # (15 s: the margin kept below for stopping a mode and its report)
+            log(f"=== mode {m} skipped: {left:.0f} s left of --total-budget-s, it needs about {need:.0f}")
             continue
         js, lg = os.path.join(args.out_dir, f"{tag}.json"), os.path.join(args.out_dir, f"{tag}.log")
         t0 = time.monotonic()
@@ -1204,7 +1212,7 @@ def orchestrate(args, argv):
             res["connector"] = rep
         res["step_wall_s"] = round(time.monotonic() - t0, 1)
         res["commit"] = args.commit
-        walls.append(res["step_wall_s"])
+        walls.append((m, res["step_wall_s"]))
         with open(js, "w") as f:
             json.dump(res, f, indent=1)
         brief = {

@@ -36,3 +36,16 @@ def test_the_summary_merges_modes_of_its_commit_and_leaves_out_others(tmp_path, 
     assert "D.json left out of the summary: commit None, not abc" in said
     # Without --commit every record is taken, as before.
     assert sorted(gt.collect_results(str(tmp_path), None)) == ["A", "C", "C8", "D", "D:4"]
+
+
+def test_a_mode_is_given_the_time_of_the_last_one_like_it_else_the_longest():
+    """--total-budget-s: a mode of a kind and layer set that already ran (its graphs compiled and
+    cached) is expected to take 15% over that one's time; a new kind or layer set the longest
+    mode's time (it compiles); never under 60 s."""
+    gt = _gpu_teacher()
+    walls = [("A", 99.0), ("B", 99.3), ("C", 66.7), ("C8", 85.5), ("D", 60.2), ("C_fp8", 61.4)]
+    assert round(gt.time_needed("C_loss_mask", walls), 1) == round(1.15 * 61.4, 1)  # like C_fp8
+    assert round(gt.time_needed("C8n", walls), 1) == round(1.15 * 85.5, 1)  # C8's layers
+    assert gt.time_needed("B8", walls) == 99.3  # vLLM's file path with 8 layers: not run yet
+    assert gt.time_needed("A", []) == 60.0
+    assert gt.time_needed("D:4@1", [("C", 40.0)]) == 60.0
