@@ -12,7 +12,8 @@ class EngineDied(Exception):
 
 class ServeFailed(Exception):
     """The serve phase could not start its Publisher, or its I/O thread failed while serving (or
-    the generate phase could not bind its endpoints): exit 1, the spool intact."""
+    the generate phase could not bind its endpoints, or its connector placed none of its samples):
+    exit 1, the spool intact."""
 
 
 class ExportError(ValueError):

@@ -7,9 +7,15 @@ FlipConnector      adds 1 to the first value of every sample it sends (after has
 MislabelConnector  delivers the cache's ascending layer order under the configured labels
 FailPlaceConnector its sender thread fails to place every sample (neither streamed nor spooled),
                    as a full or broken spool disk and a closed Publisher would
+FailLastConnector  places the samples before the FAIL_PLACE_FROM-th (default 4) of the engine's
+                   life; from that one on, each waits until vLLM shuts the connector down (no
+                   engine step is left to surface an error), then fails to be placed
 """
 
 from __future__ import annotations
+
+import os
+import threading
 
 from distill import fp8
 from teacher.connector import DistillHiddenStatesConnector
@@ -32,3 +38,23 @@ class MislabelConnector(DistillHiddenStatesConnector):
 class FailPlaceConnector(DistillHiddenStatesConnector):
     def _place(self, job):
         raise OSError(28, "injected: no space left to place the sample")
+
+
+class FailLastConnector(DistillHiddenStatesConnector):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._shutting_down = threading.Event()
+        self._n = 0
+        self._first_failing = int(os.environ.get("FAIL_PLACE_FROM", "4"))
+
+    def _place(self, job):
+        self._n += 1  # (the sender thread only)
+        if self._n < self._first_failing:
+            return super()._place(job)
+        if not self._shutting_down.wait(120):
+            raise RuntimeError("FailLastConnector: vLLM did not shut the connector down in 120 s")
+        raise OSError(5, "injected: the last sample could not be placed")
+
+    def shutdown(self):
+        self._shutting_down.set()  # before the sender thread is joined
+        return super().shutdown()

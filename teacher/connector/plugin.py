@@ -514,7 +514,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     def _sender_failure(self) -> dict:
         """For the stats file: why the sender thread stopped placing samples, if it did."""
         e = self._sender_error
-        return {} if e is None else {"sender_error": f"{type(e).__name__}: {e}"}
+        if e is None:
+            return {}
+        return {"sender_error": f"{type(e).__name__}: {e}", "sender_errors": self._placed["errors"]}
 
     def _check_sender(self) -> None:
         if self._sender_error is not None:

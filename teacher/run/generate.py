@@ -20,7 +20,7 @@ from teacher.errors import EngineDied, ServeFailed
 from teacher.metrics import read_stats_file
 from teacher.run.preflight import check_endpoints_free, check_journal_free
 from teacher.run.results import GenerateResult
-from teacher.run.state import Run, Stop
+from teacher.run.state import Run, Stop, say
 from teacher.sizing import take_flow
 
 log = logging.getLogger("distill.teacher")
@@ -183,7 +183,9 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> GenerateResult:
             if flow is not None:
                 res.note_flow(flow, r.phase_shares(flow))
                 res.students = flow["student_names"]
-            r.pub.closed(read_stats_file(stats))
+            last = read_stats_file(stats) or {}
+            r.pub.closed(last)
+            res.sender_error, res.unplaced = last.get("sender_error"), int(last.get("sender_errors") or 0)
             stats.unlink(missing_ok=True)
     res.seconds = round(time.monotonic() - t_phase, 3)
     if not first[0]:
@@ -192,6 +194,22 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> GenerateResult:
     windows.take_lost()
     # (Every spool file got its `<file>.lock` from distill.spool.write_sample.)
     res.again = bool(windows.pending) and not stop.requested
+    if res.sender_error is not None:
+        # The sender failed after the engine's last step (no step was left to stop the engine with
+        # it): those samples are neither streamed nor spooled. Generated again while a round
+        # places some of what it was given; a sender that places none ends the run (exit 1).
+        left = len(r.todo(r.committed()))
+        placed_some = left < len(todo)
+        say(
+            f"the connector could not place {res.unplaced or 'some'} samples after the engine's last step "
+            f"({res.sender_error}); {left} samples neither committed nor spooled"
+            + ("; generating them again" if placed_some and left else "")
+        )
+        if not placed_some:
+            raise ServeFailed(
+                f"the connector placed none of the {len(todo)} samples it was given ({res.sender_error})"
+            )
+        res.again = res.again or (left > 0 and not stop.requested)
     return res
 
 

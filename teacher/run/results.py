@@ -44,6 +44,8 @@ class GenerateResult(PhaseResult):
     regenerated: int = 0  # samples whose key this run had generated before (this phase or earlier)
     seen: frozenset[str] = frozenset()  # keys earlier phases generated (given at the start)
     again: bool = False  # keys lost after the last window: the caller generates them again
+    sender_error: str | None = None  # the connector's sender could not place samples (the first error)
+    unplaced: int = 0  # samples its sender could not place (neither streamed nor spooled)
     students: list[str] = field(default_factory=list)  # the engine's Publisher was serving at its close
 
     def count_output(self, key: str, tokens: int, bytes_per_token: int) -> None:

@@ -1151,3 +1151,45 @@ def test_sender_failing_every_placement_ends_the_run_and_a_restart_finishes_it(a
     s = _summary(cfg)
     assert (s["spooled"], s["missing"]) == (4, 0), s
     assert len(list_spool(tmp_path / "spool")) == 4
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sender_failing_after_the_last_engine_step_is_named_and_generated_again(assets, tmp_path):
+    """The sender fails to place the last sample only once vLLM shuts the connector down
+    (tests/fault_connectors.py: FailLastConnector), when no engine step is left to stop the engine
+    with it: distill-teacher names the sender's error and generates that sample again (a new
+    engine), so the run ends by itself with every row spooled once. A sender that places none of
+    its samples so ends the run with exit 1 (no endless rounds), and a restart finishes it."""
+    pytest.importorskip("vllm")
+    _, model, data = assets
+    cfg = _config(tmp_path, model, data, after_generation="exit")
+    c = yaml.safe_load(cfg.read_text())
+    c["teacher"]["engine_args"] = {
+        "kv_transfer_config": {
+            "kv_connector": "FailLastConnector",
+            "kv_connector_module_path": "fault_connectors",
+        }
+    }
+    cfg.write_text(yaml.safe_dump(c))
+    tests_dir = str(Path(__file__).resolve().parents[1])  # tests/fault_connectors.py
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    r = _run(cfg, "teacher.max_samples=4", env={"PYTHONPATH": path, "FAIL_PLACE_FROM": "1"}, timeout=400)
+    assert r.returncode == 1, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "could not place" in ln or "placed none" in ln]
+    assert len(said) == 2 and "could not place 4 samples after the engine's last step" in said[0], said
+    assert "placed none of the 4 samples it was given" in said[1] and "Restart to finish" in said[1], said
+    s = _summary(cfg)
+    assert (s["exit_code"], s["spooled"], s["missing"]) == (1, 0, 4), s
+    assert not list_spool(tmp_path / "spool")
+
+    r = _run(cfg, "teacher.max_samples=4", env={"PYTHONPATH": path}, timeout=400)  # fails the 4th only
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "could not place" in ln]
+    assert len(said) == 1 and "could not place 1 samples after the engine's last step" in said[0], said
+    assert "injected: the last sample could not be placed" in said[0], said
+    assert "generating them again" in said[0], said
+    s = _summary(cfg)
+    assert (s["exit_code"], s["spooled"], s["missing"]) == (0, 4, 0), s
+    assert [p["todo"] for p in s["phases"]] == [4, 1], s["phases"]  # the second engine got the one key
+    assert len(list_spool(tmp_path / "spool")) == 4  # one file per key: none twice
