@@ -20,6 +20,10 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     C1   as C with 1 layer id (``--layers1``);  C8: as C with 8 layer ids (``--layers8``)
     D    as C over tcp with ``transport.shm=off``; ``D:4`` spreads the load over 4 receivers
          (4 tcp connections, the publisher hands each sample to one student by credit)
+    Dr   as D as a student on another host sees it: the teacher on its defaults (``shm=auto``:
+         its ring exists, samples are copied from the device straight into ring slots) and the
+         receivers with ``shm=off`` (they cannot map it): every frame goes over tcp out of the
+         slot, no host copy on the teacher;  D8r: the same with C8's layers
     Cx, C8x, Dx   as C, C8, D with ``transport.checksum: xxh3`` (one xxh3-64 pass over every
          byte on the connector's sender thread)
     Ct, C8t, Dt   as C, C8, D with ``transport.checksum: xxh3-tree`` given explicitly (the
@@ -150,6 +154,9 @@ for _n, _extra in _KNOBS:  # the sender's knobs
     for _m in ("C", "C8", "D"):
         _kind, _layers, _shm, _base = MODES[_m]
         MODES[_m + _n] = (_kind, _layers, _shm, {**_base, **_extra})
+# the teacher's ring on (its default), the receivers not mapping it: a student on another host
+MODES["Dr"] = ("ours", "layers", "auto", {"receiver_shm": "off"})
+MODES["D8r"] = ("ours", "layers8", "auto", {"receiver_shm": "off"})
 MODES["Dc"] = ("ours", "layers", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["D8c"] = ("ours", "layers8", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
@@ -788,6 +795,7 @@ def run_one(args):
     mode_extra = dict(mode_extra)
     args.receiver_threads = mode_extra.pop("receiver_threads", args.receiver_threads)
     args.chat_mask = mode_extra.pop("chat_mask", False)
+    receiver_shm = mode_extra.pop("receiver_shm", shm)  # Dr: receivers that cannot map the ring
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     hf = model_config(args)
     hidden = hf["hidden_size"]
@@ -798,10 +806,12 @@ def run_one(args):
         "kind": kind,
         "settings": effective_settings(
             kind, our_connector_extra(args, shm, f"tcp://127.0.0.1:{args.port}", mode_extra)
-        ),
+        )
+        | ({"receiver_shm": receiver_shm} if kind == "ours" else {}),
         "layers": layers,
         "receivers": receivers,
         "shm": shm,
+        "receiver_shm": receiver_shm,
         "receiver_threads": args.receiver_threads if kind in ("ours", "transport") else None,
         "repeats": repeats,
         "num_prompts": args.num_prompts,
@@ -825,7 +835,10 @@ def run_one(args):
     elif kind == "ours":
         shutil.rmtree(args.spool_dir, ignore_errors=True)
         rx = Receivers(
-            ctx, receivers, subscriber_main, (args, hf["vocab_size"], hidden, layers, [endpoint], shm)
+            ctx,
+            receivers,
+            subscriber_main,
+            (args, hf["vocab_size"], hidden, layers, [endpoint], receiver_shm),
         )
 
     import torch
