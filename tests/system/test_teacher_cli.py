@@ -1113,6 +1113,18 @@ def test_live_probe_passes_clean_runs_and_catches_corrupted_samples(assets, tmp_
     assert not list_spool(Path(f"{tmp_path / 'journal.txt'}.verify"))  # copies removed once checked
 
 
+def _with_fault_connector(cfg: Path, name: str) -> str:
+    """Point the run file's engine at tests/fault_connectors.py's `name`; returns the PYTHONPATH
+    under which vLLM's worker imports it."""
+    c = yaml.safe_load(cfg.read_text())
+    c["teacher"]["engine_args"] = {
+        "kv_transfer_config": {"kv_connector": name, "kv_connector_module_path": "fault_connectors"}
+    }
+    cfg.write_text(yaml.safe_dump(c))
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_sender_failing_every_placement_ends_the_run_and_a_restart_finishes_it(assets, tmp_path):
@@ -1125,16 +1137,7 @@ def test_sender_failing_every_placement_ends_the_run_and_a_restart_finishes_it(a
     _, model, data = assets
     cfg = _config(tmp_path, model, data, after_generation="exit")
     plain = cfg.read_text()
-    c = yaml.safe_load(plain)
-    c["teacher"]["engine_args"] = {
-        "kv_transfer_config": {
-            "kv_connector": "FailPlaceConnector",
-            "kv_connector_module_path": "fault_connectors",
-        }
-    }
-    cfg.write_text(yaml.safe_dump(c))
-    tests_dir = str(Path(__file__).resolve().parents[1])  # tests/fault_connectors.py
-    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    path = _with_fault_connector(cfg, "FailPlaceConnector")
     r = _run(cfg, "teacher.max_samples=4", env={"PYTHONPATH": path}, timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
     said = [ln for ln in r.stderr.splitlines() if ln.startswith("distill-teacher: the vLLM engine died")]
@@ -1164,16 +1167,7 @@ def test_sender_failing_after_the_last_engine_step_is_named_and_generated_again(
     pytest.importorskip("vllm")
     _, model, data = assets
     cfg = _config(tmp_path, model, data, after_generation="exit")
-    c = yaml.safe_load(cfg.read_text())
-    c["teacher"]["engine_args"] = {
-        "kv_transfer_config": {
-            "kv_connector": "FailLastConnector",
-            "kv_connector_module_path": "fault_connectors",
-        }
-    }
-    cfg.write_text(yaml.safe_dump(c))
-    tests_dir = str(Path(__file__).resolve().parents[1])  # tests/fault_connectors.py
-    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    path = _with_fault_connector(cfg, "FailLastConnector")
     r = _run(cfg, "teacher.max_samples=4", env={"PYTHONPATH": path, "FAIL_PLACE_FROM": "1"}, timeout=400)
     assert r.returncode == 1, r.stderr[-3000:]
     said = [ln for ln in r.stderr.splitlines() if "could not place" in ln or "placed none" in ln]
