@@ -205,7 +205,7 @@ def generate(r: Run, todo: list[str], stop: Stop, rnd: int) -> GenerateResult:
             f"({res.sender_error}); {left} samples neither committed nor spooled"
             + ("; generating them again" if placed_some and left else "")
         )
-        if not placed_some:
+        if not placed_some and not stop.requested:
             raise ServeFailed(
                 f"the connector placed none of the {len(todo)} samples it was given ({res.sender_error})"
             )
