@@ -41,6 +41,10 @@ Modes (name[:receivers][@repeats] on ``--modes``):
          ring slot)
     Co, C8o, Do   as C, C8, D with ``pinned_bytes: 0`` (the growing pool of ``pinned_buffers``
          buffers, each pinned on the engine thread when no idle one is large enough)
+    Cd, C8d, Dd, Drd, D8rd  as C, C8, D, Dr, D8r with the transport's own defaults for
+         ``shm_bytes``, ``max_buffer_bytes`` and ``credit_samples`` (teacher and receivers; 1 GiB,
+         2 GiB, 64) where the other modes take ``--shm-bytes``, ``--max-buffer-bytes``,
+         ``--credit-samples`` (2 GiB, 4 GiB, 32)
     Dc, D8c  as D, and D with C8's layers, with ``transport.chunk_bytes`` 1 MiB (tensors in 1 MiB
          frames, joined by the receiver: the default with CURVE)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
@@ -94,6 +98,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from distill.config import TransportConfig  # noqa: E402  (the transport's own defaults: modes ...d)
 
 QWEN3_8B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -157,6 +163,19 @@ for _n, _extra in _KNOBS:  # the sender's knobs
 # the teacher's ring on (its default), the receivers not mapping it: a student on another host
 MODES["Dr"] = ("ours", "layers", "auto", {"receiver_shm": "off"})
 MODES["D8r"] = ("ours", "layers8", "auto", {"receiver_shm": "off"})
+# the transport's own defaults for the ring, the publisher's memory bound and the credit window
+# (teacher and receivers), where every other mode has the harness's (--shm-bytes, ...)
+_LIB_TRANSPORT = {
+    k: TransportConfig.model_fields[k].default for k in ("shm_bytes", "max_buffer_bytes", "credit_samples")
+}
+for _m in ("C", "C8", "D", "Dr", "D8r"):
+    _kind, _layers, _shm, _base = MODES[_m]
+    MODES[_m + "d"] = (
+        _kind,
+        _layers,
+        _shm,
+        {**_base, "transport": {**_base.get("transport", {}), **_LIB_TRANSPORT}},
+    )
 MODES["Dc"] = ("ours", "layers", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["D8c"] = ("ours", "layers8", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
@@ -796,6 +815,7 @@ def run_one(args):
     args.receiver_threads = mode_extra.pop("receiver_threads", args.receiver_threads)
     args.chat_mask = mode_extra.pop("chat_mask", False)
     receiver_shm = mode_extra.pop("receiver_shm", shm)  # Dr: receivers that cannot map the ring
+    args.credit_samples = mode_extra.get("transport", {}).get("credit_samples", args.credit_samples)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     hf = model_config(args)
     hidden = hf["hidden_size"]
