@@ -41,6 +41,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
          ring slot)
     Co, C8o, Do   as C, C8, D with ``pinned_bytes: 0`` (the growing pool of ``pinned_buffers``
          buffers, each pinned on the engine thread when no idle one is large enough)
+    Drc, D8rc  as Dr, D8r with ``transport.connections: 4`` on each receiver and
+         ``transport.io_threads: 4`` on the teacher (CURVE's default on 16 cores; plain tcp: 1, 1)
     Cd, C8d, Dd, Drd, D8rd  as C, C8, D, Dr, D8r with the transport's own defaults for
          ``shm_bytes``, ``max_buffer_bytes`` and ``credit_samples`` (teacher and receivers; 1 GiB,
          2 GiB, 64) where the other modes take ``--shm-bytes``, ``--max-buffer-bytes``,
@@ -163,6 +165,11 @@ for _n, _extra in _KNOBS:  # the sender's knobs
 # the teacher's ring on (its default), the receivers not mapping it: a student on another host
 MODES["Dr"] = ("ours", "layers", "auto", {"receiver_shm": "off"})
 MODES["D8r"] = ("ours", "layers8", "auto", {"receiver_shm": "off"})
+# as Dr, D8r with 4 connections per receiver and 4 I/O threads on the teacher (what CURVE gets by
+# default on 16 cores; plain tcp has 1 and 1)
+_LANES = {"receiver_transport": {"connections": 4}, "transport": {"io_threads": 4}}
+MODES["Drc"] = ("ours", "layers", "auto", {"receiver_shm": "off", **_LANES})
+MODES["D8rc"] = ("ours", "layers8", "auto", {"receiver_shm": "off", **_LANES})
 # the transport's own defaults for the ring, the publisher's memory bound and the credit window
 # (teacher and receivers), where every other mode has the harness's (--shm-bytes, ...)
 _LIB_TRANSPORT = {
@@ -446,7 +453,12 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
     from distill.transport import Subscriber
 
     chk = Checker(args, vocab, hidden, layers)
-    cfg = TransportConfig(connect=endpoints, shm=shm, credit_samples=args.credit_samples)
+    cfg = TransportConfig(
+        connect=endpoints,
+        shm=shm,
+        credit_samples=args.credit_samples,
+        **getattr(args, "receiver_transport", {}),
+    )
     sub = Subscriber(cfg, dequantize=False)  # fp8 stays fp8, as in a student (dequantized on its GPU)
     sub.start()
     res_q.put(("ready", idx))
@@ -652,6 +664,7 @@ def effective_settings(kind, extra) -> dict:
         "shm_bytes": t.shm_bytes,
         "max_buffer_bytes": t.max_buffer_bytes,
         "credit_samples": t.credit_samples,
+        "io_threads": t.io_threads,
         "copy_threads": cc.copy_threads,
         "pinned_buffers": cc.pinned_buffers,
         "pinned_background": cc.pinned_background,
@@ -699,6 +712,7 @@ def connector_report(log_path) -> dict:
     pub = out.get("publisher")
     if isinstance(pub, dict):  # the figures that say whether the ring or memory ran out
         keep = ("sent", "bytes_sent", "acked", "spooled", "shm_samples", "shm_full", "spool_full_waits")
+        keep += ("sessions_peak", "chunked")
         out["publisher"] = {k: pub[k] for k in keep if k in pub}
     return out
 
@@ -815,6 +829,7 @@ def run_one(args):
     args.receiver_threads = mode_extra.pop("receiver_threads", args.receiver_threads)
     args.chat_mask = mode_extra.pop("chat_mask", False)
     receiver_shm = mode_extra.pop("receiver_shm", shm)  # Dr: receivers that cannot map the ring
+    args.receiver_transport = mode_extra.pop("receiver_transport", {})  # Drc: the receivers' own
     args.credit_samples = mode_extra.get("transport", {}).get("credit_samples", args.credit_samples)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     hf = model_config(args)
@@ -827,7 +842,8 @@ def run_one(args):
         "settings": effective_settings(
             kind, our_connector_extra(args, shm, f"tcp://127.0.0.1:{args.port}", mode_extra)
         )
-        | ({"receiver_shm": receiver_shm} if kind == "ours" else {}),
+        | ({"receiver_shm": receiver_shm} if kind == "ours" else {})
+        | ({f"receiver_{k}": v for k, v in args.receiver_transport.items()}),
         "layers": layers,
         "receivers": receivers,
         "shm": shm,
