@@ -396,6 +396,7 @@ class ConnectorTiming:
     queue_peak: int = 0  # most samples waiting for the sender thread at once
     pieces: int = 0  # samples over teacher.staging_bytes, copied in pieces
     ring_staged: int = 0  # samples copied from the device straight into a ring slot (ring_staging)
+    ring_missed: int = 0  # ring_staging found no room in the ring: the pinned path instead
     staging_peak_bytes: int = 0  # the largest pinned buffer or one gather's tensors
     last_queued_t: float = 0.0  # time.monotonic() the engine thread queued the last sample for the sender
     last_on_host_t: float = 0.0  # ... the sender had the last sample's rows off the device

@@ -136,6 +136,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     _spool_tid = ""
     _spool_seq = 0
     _staged_token = 0  # (every sample then fits the staging bound: staged whole)
+    _ring_miss_said = False  # the ring-full line of ring staging, said once
     _peak_lock = threading.Lock()
     _ring_host: HostRegistration | None = None  # the Publisher's ring, page-locked (ring_staging)
     _cache: torch.Tensor | None = None  # the hidden-state cache view (register_kv_caches)
@@ -375,7 +376,27 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         # Normal tensors, not inference tensors (the engine step runs in inference mode): the
         # sender thread writes the small tensors into the slot outside it.
         with torch.inference_mode(False):
-            return self._publisher.ring_slot(specs)
+            slot = self._publisher.ring_slot(specs)
+        if slot is None:
+            self._ring_missed(sum(spec_sizes(specs)))
+        return slot
+
+    def _ring_missed(self, nbytes: int) -> None:
+        """Ring staging found no room (its slots stay taken until students ack): counted, and said
+        once with the ring size that would have held the credit window at this sample's size."""
+        self._timing.ring_missed += 1
+        if self._ring_miss_said:
+            return
+        self._ring_miss_said = True
+        t = self.cfg.transport
+        logger.warning(
+            "distill: no room in the %.0f MB shared-memory ring for a %.1f MB sample (each slot stays "
+            "taken until a student acks it): this one and later ones that find no room go through a "
+            "pinned range and a host copy, which costs the teacher more (connector timing: "
+            "ring_missed). To keep them on the ring, transport.shm_bytes about %.0f MB per student "
+            "(credit_samples %d x samples of this size). Said once.",
+            t.shm_bytes / 1e6, nbytes / 1e6, t.credit_samples * nbytes / 1e6, t.credit_samples,
+        )  # fmt: skip
 
     def _extract(self, pending, info: SampleInfo | None, *, wait: bool = False) -> bool:
         """Copy one finished request's rows off the cache and queue them for the sender thread

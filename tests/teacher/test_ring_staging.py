@@ -150,6 +150,52 @@ def test_a_sample_already_in_its_ring_slot_is_hashed_in_place_and_never_copied(t
         assert conn._ring_slot(40, mask, None, token_ids) is None
 
 
+def test_a_full_ring_is_counted_and_said_once_with_the_size_that_holds_the_credit_window(tmp_path):
+    """Ring staging with every slot taken (students hold them until they ack): `_ring_slot` gives
+    None (the pinned path takes the sample), counts each miss in the connector timing and says once
+    how large the ring would have to be for the credit window at this sample's size."""
+    pytest.importorskip("vllm")
+    import logging
+
+    from distill.transport import Publisher
+    from teacher.connector.parts import SampleInfo, loss_mask
+
+    ep = f"ipc://{tmp_path}/t.sock"
+    tcfg = TransportConfig(bind=[ep], shm="auto", shm_dir=str(tmp_path), shm_bytes=MiB, credit_samples=50)
+    kv = torch.zeros(4, 3, 16, 1024, dtype=torch.bfloat16)
+    conn = _connector(tmp_path, tcfg, kv, [2, 0])
+    info = SampleInfo(key="row-1", meta={}, path=str(tmp_path / "spool" / "x"), prompt_len=40)
+    token_ids, mask = torch.arange(40), loss_mask(info, 40)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("vllm.teacher.connector")
+    log.addHandler(handler)
+    try:
+        with Publisher(tcfg, conn.cfg.spool) as pub:
+            conn._publisher = pub
+            taken = []
+            while (slot := conn._ring_slot(40, mask, None, token_ids)) is not None:
+                taken.append(slot)  # held, as slots are until students ack
+                assert len(taken) < 100
+            assert len(taken) >= 3 and conn._timing.ring_missed == 1
+            assert conn._ring_slot(40, mask, None, token_ids) is None
+            assert conn._timing.ring_missed == 2 and conn._timing.ring_staged == 0
+            said = [m for m in lines if "no room in the" in m]
+            assert len(said) == 1, lines
+            # 40 rows x 2 layers x 1024 x 2 bytes + mask and token ids: about 0.16 MB a sample,
+            # 50 of them (the credit window) about 8 MB.
+            assert "1 MB shared-memory ring for a 0.2 MB sample" in said[0], said[0]
+            assert "about 8 MB per student (credit_samples 50 x" in said[0], said[0]
+            for slot in taken:
+                pub.release_slot(slot)
+            slot = conn._ring_slot(40, mask, None, token_ids)  # acked: room again
+            assert slot is not None and conn._timing.ring_missed == 2
+            pub.release_slot(slot)
+    finally:
+        log.removeHandler(handler)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="device-to-host copies into a page-locked ring need CUDA (no GPU here)",
