@@ -163,13 +163,14 @@ for _n, _extra in _KNOBS:  # the sender's knobs
         _kind, _layers, _shm, _base = MODES[_m]
         MODES[_m + _n] = (_kind, _layers, _shm, {**_base, **_extra})
 # the teacher's ring on (its default), the receivers not mapping it: a student on another host
-MODES["Dr"] = ("ours", "layers", "auto", {"receiver_shm": "off"})
-MODES["D8r"] = ("ours", "layers8", "auto", {"receiver_shm": "off"})
+_REMOTE = {"receiver_transport": {"shm": "off"}}
+MODES["Dr"] = ("ours", "layers", "auto", _REMOTE)
+MODES["D8r"] = ("ours", "layers8", "auto", _REMOTE)
 # as Dr, D8r with 4 connections per receiver and 4 I/O threads on the teacher (what CURVE gets by
 # default on 16 cores; plain tcp has 1 and 1)
-_LANES = {"receiver_transport": {"connections": 4}, "transport": {"io_threads": 4}}
-MODES["Drc"] = ("ours", "layers", "auto", {"receiver_shm": "off", **_LANES})
-MODES["D8rc"] = ("ours", "layers8", "auto", {"receiver_shm": "off", **_LANES})
+_LANES = {"receiver_transport": {"shm": "off", "connections": 4}, "transport": {"io_threads": 4}}
+MODES["Drc"] = ("ours", "layers", "auto", _LANES)
+MODES["D8rc"] = ("ours", "layers8", "auto", _LANES)
 # the transport's own defaults for the ring, the publisher's memory bound and the credit window
 # (teacher and receivers), where every other mode has the harness's (--shm-bytes, ...)
 _LIB_TRANSPORT = {
@@ -453,12 +454,9 @@ def subscriber_main(idx, args, vocab, hidden, layers, endpoints, shm, ctrl_q, re
     from distill.transport import Subscriber
 
     chk = Checker(args, vocab, hidden, layers)
-    cfg = TransportConfig(
-        connect=endpoints,
-        shm=shm,
-        credit_samples=args.credit_samples,
-        **getattr(args, "receiver_transport", {}),
-    )
+    # the receivers' own settings (Dr: shm off, a student on another host) over the mode's shm
+    own = {"shm": shm, **getattr(args, "receiver_transport", {})}
+    cfg = TransportConfig(connect=endpoints, credit_samples=args.credit_samples, **own)
     sub = Subscriber(cfg, dequantize=False)  # fp8 stays fp8, as in a student (dequantized on its GPU)
     sub.start()
     res_q.put(("ready", idx))
@@ -828,8 +826,8 @@ def run_one(args):
     mode_extra = dict(mode_extra)
     args.receiver_threads = mode_extra.pop("receiver_threads", args.receiver_threads)
     args.chat_mask = mode_extra.pop("chat_mask", False)
-    receiver_shm = mode_extra.pop("receiver_shm", shm)  # Dr: receivers that cannot map the ring
-    args.receiver_transport = mode_extra.pop("receiver_transport", {})  # Drc: the receivers' own
+    args.receiver_transport = mode_extra.pop("receiver_transport", {})  # Dr, Drc: the receivers' own
+    receiver_shm = args.receiver_transport.get("shm", shm)  # Dr: receivers that cannot map the ring
     args.credit_samples = mode_extra.get("transport", {}).get("credit_samples", args.credit_samples)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     hf = model_config(args)
@@ -842,8 +840,11 @@ def run_one(args):
         "settings": effective_settings(
             kind, our_connector_extra(args, shm, f"tcp://127.0.0.1:{args.port}", mode_extra)
         )
-        | ({"receiver_shm": receiver_shm} if kind == "ours" else {})
-        | ({f"receiver_{k}": v for k, v in args.receiver_transport.items()}),
+        | (
+            {f"receiver_{k}": v for k, v in {"shm": receiver_shm, **args.receiver_transport}.items()}
+            if kind == "ours"
+            else {}
+        ),
         "layers": layers,
         "receivers": receivers,
         "shm": shm,

@@ -371,14 +371,15 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         if positions is not None:
             specs[POSITIONS_KEY] = (list(positions.shape), positions.dtype)
         specs["token_ids"] = (list(token_ids.shape), token_ids.dtype)
-        if sum(spec_sizes(specs)) > self.cfg.transport.max_buffer_bytes:
+        nbytes = sum(spec_sizes(specs))
+        if nbytes > self.cfg.transport.max_buffer_bytes:
             return None
         # Normal tensors, not inference tensors (the engine step runs in inference mode): the
         # sender thread writes the small tensors into the slot outside it.
         with torch.inference_mode(False):
             slot = self._publisher.ring_slot(specs)
         if slot is None:
-            self._ring_missed(sum(spec_sizes(specs)))
+            self._ring_missed(nbytes)
         return slot
 
     def _ring_missed(self, nbytes: int) -> None:
