@@ -42,7 +42,11 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Co, C8o, Do   as C, C8, D with ``pinned_bytes: 0`` (the growing pool of ``pinned_buffers``
          buffers, each pinned on the engine thread when no idle one is large enough)
     Drc, D8rc  as Dr, D8r with ``transport.connections: 4`` on each receiver and
-         ``transport.io_threads: 4`` on the teacher (CURVE's default on 16 cores; plain tcp: 1, 1)
+         ``transport.io_threads: 4`` on the teacher (given explicitly: the default on 16 cores)
+    D8   as D with C8's layers (shared memory off on both sides)
+    Cl, C8l, Dl, D8l, Drl, D8rl  as C, C8, D, D8, Dr, D8r with one lane: ``transport.connections:
+         1`` on each receiver and ``transport.io_threads: 1`` on the teacher (unset, both are a
+         quarter of the host's cores, 1 to 4)
     Cd, C8d, Dd, Drd, D8rd  as C, C8, D, Dr, D8r with the transport's own defaults for
          ``shm_bytes``, ``max_buffer_bytes`` and ``credit_samples`` (teacher and receivers; 1 GiB,
          2 GiB, 64) where the other modes take ``--shm-bytes``, ``--max-buffer-bytes``,
@@ -166,8 +170,8 @@ for _n, _extra in _KNOBS:  # the sender's knobs
 _REMOTE = {"receiver_transport": {"shm": "off"}}
 MODES["Dr"] = ("ours", "layers", "auto", _REMOTE)
 MODES["D8r"] = ("ours", "layers8", "auto", _REMOTE)
-# as Dr, D8r with 4 connections per receiver and 4 I/O threads on the teacher (what CURVE gets by
-# default on 16 cores; plain tcp has 1 and 1)
+# as Dr, D8r with 4 connections per receiver and 4 I/O threads on the teacher (what unset gives on
+# 16 cores, explicitly)
 _LANES = {"receiver_transport": {"shm": "off", "connections": 4}, "transport": {"io_threads": 4}}
 MODES["Drc"] = ("ours", "layers", "auto", _LANES)
 MODES["D8rc"] = ("ours", "layers8", "auto", _LANES)
@@ -183,6 +187,19 @@ for _m in ("C", "C8", "D", "Dr", "D8r"):
         _layers,
         _shm,
         {**_base, "transport": {**_base.get("transport", {}), **_LIB_TRANSPORT}},
+    )
+MODES["D8"] = ("ours", "layers8", "off", {})
+for _m in ("C", "C8", "D", "D8", "Dr", "D8r"):  # one connection per receiver, one teacher I/O thread
+    _kind, _layers, _shm, _base = MODES[_m]
+    MODES[_m + "l"] = (
+        _kind,
+        _layers,
+        _shm,
+        {
+            **_base,
+            "transport": {**_base.get("transport", {}), "io_threads": 1},
+            "receiver_transport": {**_base.get("receiver_transport", {}), "connections": 1},
+        },
     )
 MODES["Dc"] = ("ours", "layers", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["D8c"] = ("ours", "layers8", "off", {"transport": {"chunk_bytes": 1 << 20}})
@@ -841,7 +858,15 @@ def run_one(args):
             kind, our_connector_extra(args, shm, f"tcp://127.0.0.1:{args.port}", mode_extra)
         )
         | (
-            {f"receiver_{k}": v for k, v in {"shm": receiver_shm, **args.receiver_transport}.items()}
+            {
+                f"receiver_{k}": v
+                for k, v in {
+                    "shm": receiver_shm,
+                    # the receivers' connections as they take them (unset: by this host's cores)
+                    "connections": TransportConfig(**args.receiver_transport).connections,
+                    **args.receiver_transport,
+                }.items()
+            }
             if kind == "ours"
             else {}
         ),

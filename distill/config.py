@@ -23,16 +23,19 @@ from distill.errors import ConfigError
 
 GiB = 1 << 30
 MiB = 1 << 20
-# With CURVE and `connections` / `io_threads` unset: this many per student / teacher socket, where
-# the host has 4 cores for each (fewer: a quarter of its cores, at least 1). One connection's
-# encryption runs on one I/O thread (BENCHMARKS.md, "Transport and CURVE").
-CURVE_LANES = 4
+# With `connections` / `io_threads` unset: this many per student / teacher socket, where the host
+# has 4 cores for each (fewer: a quarter of its cores, at least 1). One connection's bytes (and
+# CURVE's encryption) run on one I/O thread each side: one plain tcp connection carried ~1.5 GB/s
+# under a teacher's load, where 8 layers of a Qwen3-8B teacher make 2.8 GB/s (BENCHMARKS.md,
+# "Over tcp as a student on another host sees it"; "Transport and CURVE").
+LANES = 4
 
 
-def curve_lanes() -> int:
-    """Connections (student) or I/O threads (teacher) that CURVE gets when they are unset."""
+def host_lanes() -> int:
+    """Connections (student) or I/O threads (teacher) when they are unset: a quarter of this
+    host's cores, at least 1 and at most LANES."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(CURVE_LANES, cores // 4))
+    return max(1, min(LANES, cores // 4))
 
 
 class Strict(BaseModel):
@@ -78,13 +81,13 @@ class TransportConfig(Strict):
     credit_samples: int = Field(64, gt=0)
     credit_bytes: int = Field(1 * GiB, gt=0)
     # Student side: ZeroMQ connections to each teacher endpoint. Samples are spread over them and
-    # the credit window above is split among them (the student holds no more than with one). For
-    # CURVE across hosts: one connection's encryption runs on one I/O thread each side (about
-    # 1.2 GB/s on a 16-core GPU host, 3.2 GB/s with 4 connections), so several connections use
-    # several cores; the student gets that many I/O threads, and the teacher needs `io_threads` >=
-    # students x connections. Each connection is a session at the teacher, named `<student>#<i>`
-    # for i >= 1. Unset: 1, or with `curve` 4 where the host has 16 cores or more (a quarter of
-    # its cores, at least 1: on 2 cores CURVE is bound by the CPU and more connections add nothing).
+    # the credit window above is split among them (the student holds no more than with one). Across
+    # hosts one connection's bytes run on one I/O thread each side (plain tcp ~1.5 GB/s under a
+    # teacher's load; CURVE's encryption 1.2 GB/s on a 16-core GPU host, 3.2 GB/s with 4
+    # connections), so several connections use several cores; the student gets that many I/O
+    # threads. Each connection is a session at the teacher, named `<student>#<i>` for i >= 1; they
+    # are opened 1 s apart (each on its own teacher I/O thread). Unset: a quarter of the host's
+    # cores, at least 1 and at most 4 (on 2 cores: 1; more connections add nothing there).
     connections: int = Field(None, ge=1, le=16)  # type: ignore[assignment]  # set by _lanes
     # Same-host shared-memory data path: auto (used when the student can map the teacher's ring),
     # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).
@@ -118,7 +121,7 @@ class TransportConfig(Strict):
     # students and CURVE more threads spread the encryption over more cores (one connection's
     # stays on one thread: about 0.8 GB/s on a 16-core GPU host); 1 keeps everything on one.
     # Shared-memory students move only headers. Measured: BENCHMARKS.md, "Transport and CURVE".
-    # Unset: 1, or with `curve` as many as a student's connections get by default (4 on 16 cores).
+    # Unset: as many as a student's connections get by default (a quarter of the cores, 1 to 4).
     io_threads: int = Field(None, ge=1, le=64)  # type: ignore[assignment]  # set by _lanes
     # Teacher side: a tensor larger than this goes to a student over tcp in frames of this many
     # bytes, which the student joins (one copy). Each frame is then encrypted (CURVE) and copied
@@ -141,8 +144,8 @@ class TransportConfig(Strict):
 
     @model_validator(mode="after")
     def _lanes(self) -> TransportConfig:
-        # Unset connections / io_threads: 1, or with CURVE one per 4 cores up to CURVE_LANES.
-        lanes = curve_lanes() if self.curve is not None else 1
+        # Unset connections / io_threads: one per 4 cores of this host, 1 to LANES.
+        lanes = host_lanes()
         for name in ("connections", "io_threads"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, lanes)  # no re-validation: the value is in range

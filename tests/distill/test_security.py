@@ -224,12 +224,10 @@ def test_io_threads_gives_the_teachers_socket_a_context_of_that_many_threads():
 
 
 @pytest.mark.parametrize("cores, lanes", [(2, 1), (8, 2), (16, 4), (128, 4)])
-def test_curve_gets_a_connection_and_an_io_thread_per_four_cores_when_unset(
-    tmp_path, monkeypatch, cores, lanes
-):
-    """With CURVE and transport.connections / io_threads unset: a quarter of the host's cores, at
-    most 4 (one connection is encrypted on one I/O thread); set values and runs without CURVE keep
-    theirs. The host's cores are replaced (this box has 2)."""
+def test_unset_connections_and_io_threads_get_one_per_four_cores(tmp_path, monkeypatch, cores, lanes):
+    """With transport.connections / io_threads unset: a quarter of the host's cores, at least 1 and
+    at most 4, with CURVE and without (one connection's bytes and its encryption run on one I/O
+    thread); set values keep theirs. The host's cores are replaced (this box has 2)."""
     import os
 
     from distill.config import load_run_file
@@ -238,21 +236,19 @@ def test_curve_gets_a_connection_and_an_io_thread_per_four_cores_when_unset(
     curve = CurveConfig(secret_key="t.key_secret", authorized_keys="students")
     t = TransportConfig(curve=curve)
     assert (t.connections, t.io_threads) == (lanes, lanes)
-    assert (TransportConfig().connections, TransportConfig().io_threads) == (1, 1)
+    assert (TransportConfig().connections, TransportConfig().io_threads) == (lanes, lanes)
     t = TransportConfig(curve=curve, connections=2, io_threads=8)
     assert (t.connections, t.io_threads) == (2, 8)
     t.credit_samples = 32  # re-validated on assignment: the lanes stay
     assert (t.connections, t.io_threads) == (2, 8)
-    # From a run file, as each side loads it.
+    # From a run file, as each side loads it, with CURVE and without.
     run = tmp_path / "run.yaml"
-    run.write_text(
-        "transport:\n  bind: [tcp://127.0.0.1:5555]\n"
-        "  curve: {secret_key: t.key_secret, authorized_keys: students}\n"
-    )
-    rt = load_run_file(run).transport
-    assert (rt.connections, rt.io_threads) == (lanes, lanes)
-    rt = load_run_file(run, {"transport.connections": 1}).transport
-    assert (rt.connections, rt.io_threads) == (1, lanes)
+    for curve_line in ("  curve: {secret_key: t.key_secret, authorized_keys: students}\n", ""):
+        run.write_text("transport:\n  bind: [tcp://127.0.0.1:5555]\n" + curve_line)
+        rt = load_run_file(run).transport
+        assert (rt.connections, rt.io_threads) == (lanes, lanes)
+        rt = load_run_file(run, {"transport.connections": 1}).transport
+        assert (rt.connections, rt.io_threads) == (1, lanes)
 
 
 def test_chunk_bytes_defaults_to_1_mib_with_curve_and_whole_tensors_without():
