@@ -33,6 +33,7 @@ class Bounds:
         self.spool_bytes = 0
         self.counters: collections.Counter = collections.Counter()
         self.rejected: collections.Counter = collections.Counter()  # by reason
+        self.waiting_since: float | None = None  # a producer waits for spool room since (monotonic)
 
     def count(self, name: str, n: float = 1) -> None:
         with self.lock:
@@ -60,35 +61,51 @@ class Bounds:
         return self.held_bytes == 0 or self.held_bytes + nbytes <= self.max_held_bytes
 
     def wait_for_room(
-        self, nbytes: int, *, no_students: Callable[[], bool], stopped: Callable[[], bool]
+        self,
+        nbytes: int,
+        *,
+        no_students: Callable[[], bool],
+        stopped: Callable[[], bool],
+        give_up: Callable[[], bool] = lambda: False,
     ) -> bool:
         """(Under the lock) Whether a new sample of `nbytes` goes to the spool (memory full, or
         `no_students()`); when the spool is full too, wait until students take samples, said every
-        30 s. Raises TransportError once `stopped()`."""
+        30 s. Raises TransportError once `stopped()`, or when it would wait and `give_up()`."""
         limit = self.spool_max_bytes
         waited_since, logged = None, 0.0
-        while True:
-            if stopped():
-                raise TransportError("submit() on a closed publisher")
-            to_spool = no_students() or self.held_bytes + nbytes > self.max_held_bytes
-            if not to_spool or not limit or self.spool_bytes == 0 or self.spool_bytes + nbytes <= limit:
-                break
-            now = time.monotonic()
-            if waited_since is None:
-                waited_since = now
-                self.counters["spool_full_waits"] += 1
-            if now - logged >= 30:
-                logged = now
-                log.warning(
-                    "spool full (%d of %d bytes) and memory full: waiting for students (%.0f s so far)",
-                    self.spool_bytes,
-                    limit,
-                    now - waited_since,
-                )
-            self.cond.wait(0.5)
-        if waited_since is not None:
-            self.counters["spool_full_wait_s"] += time.monotonic() - waited_since
+        try:
+            while True:
+                if stopped():
+                    raise TransportError("submit() on a closed publisher")
+                to_spool = no_students() or self.held_bytes + nbytes > self.max_held_bytes
+                if not to_spool or not limit or self.spool_bytes == 0 or self.spool_bytes + nbytes <= limit:
+                    break
+                if give_up():
+                    raise TransportError(
+                        f"spool.max_bytes ({limit} bytes) is full: the producer stopped waiting"
+                    )
+                now = time.monotonic()
+                if waited_since is None:
+                    waited_since = self.waiting_since = now
+                    self.counters["spool_full_waits"] += 1
+                if now - logged >= 30:
+                    logged = now
+                    log.warning(
+                        "spool full (%d of %d bytes) and memory full: waiting for students (%.0f s so far)",
+                        self.spool_bytes,
+                        limit,
+                        now - waited_since,
+                    )
+                self.cond.wait(0.5)
+        finally:
+            if waited_since is not None:
+                self.waiting_since = None
+                self.counters["spool_full_wait_s"] += time.monotonic() - waited_since
         return to_spool
+
+    def waiting_s(self) -> float:
+        """(Under the lock) How long a producer has been waiting for spool room (0: none waits)."""
+        return 0.0 if self.waiting_since is None else time.monotonic() - self.waiting_since
 
     def snapshot(self) -> dict:
         with self.lock:

@@ -87,6 +87,7 @@ class Publisher:
         self._done = threading.Event()  # END sent
         self._idle = threading.Event()  # input closed, nothing waits or is in flight
         self._stop = threading.Event()
+        self._no_room_wait = threading.Event()  # stop_waiting_for_room(): submit() no longer waits
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._reject_log = RateLimitedLog(log)
@@ -229,7 +230,12 @@ class Publisher:
         nbytes = sample.nbytes
         b = self._bounds
         with b.cond:
-            to_spool = b.wait_for_room(nbytes, no_students=self._no_students, stopped=self._stop.is_set)
+            to_spool = b.wait_for_room(
+                nbytes,
+                no_students=self._no_students,
+                stopped=self._stop.is_set,
+                give_up=self._no_room_wait.is_set,
+            )
             self._seq += 1
             sample.seq = self._seq
             sample.teacher = self.tid
@@ -394,6 +400,20 @@ class Publisher:
         if self._journal is not None:
             self._journal.close()
             self._journal = None
+
+    def stop_waiting_for_room(self) -> None:
+        """A `submit` waiting for spool room raises TransportError now, and so does every later one
+        that would wait (one with room still goes through): for a producer that shuts down with the
+        spool full and no student to drain it."""
+        self._no_room_wait.set()
+        with self._bounds.cond:
+            self._bounds.cond.notify_all()
+
+    def spool_full_wait_s(self) -> float:
+        """How long a `submit` has been waiting for spool room (spool.max_bytes full while samples
+        must go to the spool); 0 when none waits."""
+        with self._bounds.lock:
+            return self._bounds.waiting_s()
 
     def stats(self) -> dict:
         s = self._bounds.snapshot()

@@ -182,7 +182,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._deferred: deque = deque()
         self._pinned: PinnedPool | PinnedBlock | None = None  # CUDA staging buffers
         self._copy_pool: ThreadPoolExecutor | None = None  # chunked copies out of staging (CUDA)
-        self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0}  # sender counters
+        # sender counters; unplaced: left at shutdown on a full spool that no student drained
+        self._placed: dict[str, int] = {"stream": 0, "spool": 0, "errors": 0, "unplaced": 0}
+        self._abandon = False  # shutdown gave up on a full spool: the sender drops what is left
         self._timing = ConnectorTiming()  # where the time goes (logged at shutdown)
         self._peak_lock = threading.Lock()  # staging_peak_bytes: engine and sender thread
         self._staged_token = 0  # bytes one token takes while staged (register_kv_caches)
@@ -591,8 +593,14 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 return
             t0 = time.perf_counter()
             try:
+                if self._abandon:  # shutdown, the spool full and nobody to drain it: not placed
+                    self._placed["unplaced"] += 1
+                    continue
                 self._place(job)
             except BaseException as e:  # surfaced on the next engine step (get_finished)
+                if self._abandon:  # the submit that waited for room, released by the close
+                    self._placed["unplaced"] += 1
+                    continue
                 self._placed["errors"] += 1
                 logger.exception("distill: placing sample %r failed", job.info.key)
                 if self._sender_error is None:
@@ -711,6 +719,31 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         """The `x3t` tree digest of `tensors` (in order), its leaves hashed by the copy threads."""
         return parallel_digest(self._copy_pool, self.cfg.copy_threads, tensors)
 
+    def _join_sender(self) -> None:
+        """Wait for the sender thread to place every queued sample. A sender that waits for spool
+        room (spool.max_bytes full) while no student takes samples gets drain_timeout_s; then it
+        stops waiting and what it still holds is left unplaced (not committed: the next run
+        generates those keys), said in one line, instead of holding vLLM's shutdown until vLLM
+        kills the worker."""
+        pub = self._publisher
+        while True:
+            self._sender.join(0.1)
+            if not self._sender.is_alive():
+                return
+            if pub is None or pub.spool_full_wait_s() <= self.cfg.drain_timeout_s:
+                continue
+            if pub.stats().get("students"):
+                continue  # a student may still take samples and make room
+            self._abandon = True
+            logger.warning(
+                "distill: spool.max_bytes is full and no student takes samples: %d samples queued "
+                "at shutdown are not placed (not committed: the next run generates them)",
+                self._queue.qsize(),  # the one waiting for room + the queued ones - the stop mark
+            )
+            pub.stop_waiting_for_room()
+            self._sender.join()
+            return
+
     def shutdown(self):
         if self._closed:
             return
@@ -727,7 +760,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 logger.exception("distill: could not copy %d deferred samples", len(self._deferred) + 1)
         if self._sender is not None:
             self._queue.put(_STOP)
-            self._sender.join()
+            self._join_sender()
         if self._ring_host is not None:  # no copy into the ring is left; the Publisher still reads it
             self._ring_host.close()
         if self._publisher is not None:

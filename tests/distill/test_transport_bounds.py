@@ -304,3 +304,42 @@ def test_a_full_spool_filesystem_is_one_line_and_leaves_no_partial_file(tmp_path
     assert 0 < placed < 20
     assert len([n for n in names if n.endswith(".safetensors")]) == placed, names
     assert not [n for n in names if n.endswith(".tmp") or n.startswith(".")], names
+
+
+def test_a_producer_waiting_on_a_full_spool_can_stop_waiting(tmp_path):
+    """spool.max_bytes full and nobody connected: submit waits for room (spool_full_wait_s counts
+    the wait) until stop_waiting_for_room(); then it raises TransportError naming spool.max_bytes,
+    as does every later submit that would wait, and the spool holds only what was accepted before.
+    (The connector calls this at shutdown so that vLLM's shutdown is not held.)"""
+    import threading
+
+    import pytest
+
+    from distill.errors import TransportError
+
+    ep = f"ipc://{tmp_path}/t.sock"
+    cfg = TransportConfig(bind=[ep], shm="off", connect_timeout_s=0)
+    spool = tmp_path / "spool"
+    with Publisher(cfg, SpoolConfig(dir=str(spool), max_bytes=100 * KiB)) as pub:
+        pub.submit(_sample(0))  # an empty spool takes one sample of any size
+        assert pub.spool_full_wait_s() == 0.0
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(_try(pub.submit, _sample(1))), daemon=True)
+        t.start()
+        assert _wait(lambda: pub.spool_full_wait_s() > 0.2), "submit did not wait for spool room"
+        assert t.is_alive()
+        pub.stop_waiting_for_room()
+        t.join(timeout=10)
+        assert not t.is_alive() and isinstance(out[0], TransportError), out
+        assert "spool.max_bytes" in str(out[0]), out
+        assert pub.spool_full_wait_s() == 0.0
+        with pytest.raises(TransportError, match="spool.max_bytes"):
+            pub.submit(_sample(2))  # would wait: raises at once
+        assert len(list_spool(spool)) == 1 and pub.stats()["spooled"] == 1
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e

@@ -945,10 +945,12 @@ def test_spool_filesystem_full_exits_1_naming_it_and_a_restart_with_room_finishe
 @pytest.mark.slow
 def test_spool_max_bytes_full_and_no_student_exits_1_saying_so_and_more_room_finishes(assets, tmp_path):
     """after_generation: exit, spool.max_bytes far below the dataset, nobody connected: the sender
-    waits for room that never comes, yet the run ends by itself (vLLM's shutdown grace) with exit 1
-    and a line that names spool.max_bytes instead of 'run again' (which would stop at the same
-    place). The spool stays within the limit (or holds one sample). The same command without the limit generates only
-    the missing rows: every row is then in the spool once."""
+    waits for room that never comes, yet the run ends by itself with exit 1: at shutdown the
+    connector stops waiting after drain_timeout_s and says how many samples it left unplaced (vLLM
+    never has to kill its worker), and distill-teacher's line names spool.max_bytes instead of 'run
+    again' (which would stop at the same place). The spool stays within the limit (or holds one
+    sample). The same command without the limit generates only the missing rows: every row is then
+    in the spool once."""
     pytest.importorskip("vllm")
     _, model, _ = assets
     data = write_tiny_dataset(tmp_path / "d.jsonl", 24, seed=23)
@@ -962,6 +964,10 @@ def test_spool_max_bytes_full_and_no_student_exits_1_saying_so_and_more_room_fin
     assert len(said) == 1, r.stderr[-3000:]
     assert "no student took samples" in said[0] and "Raise spool.max_bytes" in said[0], said[0]
     assert f"distill-teacher --config {cfg}" in said[0], said[0]
+    logs = r.stdout + r.stderr  # (vLLM's worker logs to either, by its logging settings)
+    left = [x for x in logs.splitlines() if "spool.max_bytes is full and no student takes samples" in x]
+    assert len(left) == 1 and "samples queued at shutdown are not placed" in left[0], logs[-3000:]
+    assert "still running after grace period" not in logs, logs[-3000:]  # vLLM killed nothing
     files = list_spool(spool)
     first = {read_spool_file(f).key for f in files}
     assert 0 < len(first) < len(keys), first
