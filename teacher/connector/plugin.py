@@ -595,10 +595,12 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             try:
                 if self._abandon:  # shutdown, the spool full and nobody to drain it: not placed
                     self._placed["unplaced"] += 1
+                    if job.copy_done is not None:  # its ring slot / pinned range is unmapped next
+                        job.copy_done.synchronize()
                     continue
                 self._place(job)
             except BaseException as e:  # surfaced on the next engine step (get_finished)
-                if self._abandon:  # the submit that waited for room, released by the close
+                if self._abandon:  # the submit that waited for room, let go by stop_waiting_for_room
                     self._placed["unplaced"] += 1
                     continue
                 self._placed["errors"] += 1
