@@ -47,10 +47,8 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     Cl, C8l, Dl, D8l, Drl, D8rl  as C, C8, D, D8, Dr, D8r with one lane: ``transport.connections:
          1`` on each receiver and ``transport.io_threads: 1`` on the teacher (unset, both are a
          quarter of the host's cores, 1 to 4)
-    Cd, C8d, Dd, Drd, D8rd  as C, C8, D, Dr, D8r with the transport's own defaults for
-         ``shm_bytes``, ``max_buffer_bytes`` and ``credit_samples`` (teacher and receivers; 1 GiB,
-         2 GiB, 64) where the other modes take ``--shm-bytes``, ``--max-buffer-bytes``,
-         ``--credit-samples`` (2 GiB, 4 GiB, 32)
+    Cs, C8s, Ds, Drs, D8rs  as C, C8, D, Dr, D8r with a 1 GiB ring (``transport.shm_bytes``; the
+         default is 2 GiB)
     Dc, D8c  as D, and D with C8's layers, with ``transport.chunk_bytes`` 1 MiB (tensors in 1 MiB
          frames, joined by the receiver: the default with CURVE)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
@@ -176,17 +174,17 @@ _LANES = {"receiver_transport": {"shm": "off", "connections": 4}, "transport": {
 MODES["Drc"] = ("ours", "layers", "auto", _LANES)
 MODES["D8rc"] = ("ours", "layers8", "auto", _LANES)
 # the transport's own defaults for the ring, the publisher's memory bound and the credit window
-# (teacher and receivers), where every other mode has the harness's (--shm-bytes, ...)
+# (teacher and receivers): what every mode runs on unless --shm-bytes, ... are given
 _LIB_TRANSPORT = {
     k: TransportConfig.model_fields[k].default for k in ("shm_bytes", "max_buffer_bytes", "credit_samples")
 }
-for _m in ("C", "C8", "D", "Dr", "D8r"):
+for _m in ("C", "C8", "D", "Dr", "D8r"):  # the ring of 1 GiB (the default until 2 GiB), side by side
     _kind, _layers, _shm, _base = MODES[_m]
-    MODES[_m + "d"] = (
+    MODES[_m + "s"] = (
         _kind,
         _layers,
         _shm,
-        {**_base, "transport": {**_base.get("transport", {}), **_LIB_TRANSPORT}},
+        {**_base, "transport": {**_base.get("transport", {}), "shm_bytes": 1 << 30}},
     )
 MODES["D8"] = ("ours", "layers8", "off", {})
 for _m in ("C", "C8", "D", "D8", "Dr", "D8r"):  # one connection per receiver, one teacher I/O thread
@@ -237,9 +235,13 @@ def parse_args(argv=None):
     p.add_argument("--storage", default="/dev/shm/gpu_teacher_hs", help="B: file folder")
     p.add_argument("--spool-dir", default="/dev/shm/gpu_teacher_spool", help="C/D: our spool folder")
     p.add_argument("--port", type=int, default=5601, help="C/D/T: first tcp port")
-    p.add_argument("--shm-bytes", type=int, default=2 << 30, help="C/T: our shared-memory ring size")
-    p.add_argument("--max-buffer-bytes", type=int, default=4 << 30, help="C/D/T: publisher memory bound")
-    p.add_argument("--credit-samples", type=int, default=32)
+    p.add_argument(
+        "--shm-bytes", type=int, default=None, help="C/T: our shared-memory ring size (unset: the default)"
+    )
+    p.add_argument(
+        "--max-buffer-bytes", type=int, default=None, help="C/D/T: publisher memory bound (unset: the default)"
+    )
+    p.add_argument("--credit-samples", type=int, default=None, help="receivers' credit (unset: the default)")
     p.add_argument("--connector-class", default="DistillHiddenStatesConnector")
     p.add_argument("--connector-module", default="teacher.connector")
     p.add_argument("--key-param", default="sample_key", help="kv_transfer_params key carrying the sample key")
@@ -267,7 +269,11 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="/tmp/gpu_teacher", help="per-mode JSON and logs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # child: run this mode
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for k, v in _LIB_TRANSPORT.items():  # unset: the transport's own default
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
 
 
 def parse_mode(text: str, default_repeats: int):
@@ -679,6 +685,7 @@ def effective_settings(kind, extra) -> dict:
         "shm_bytes": t.shm_bytes,
         "max_buffer_bytes": t.max_buffer_bytes,
         "credit_samples": t.credit_samples,
+        "credit_bytes": t.credit_bytes,
         "io_threads": t.io_threads,
         "copy_threads": cc.copy_threads,
         "pinned_buffers": cc.pinned_buffers,

@@ -93,9 +93,12 @@ class TransportConfig(Strict):
     # on (fail if it cannot), off (bytes always travel in ZeroMQ frames).
     shm: Literal["auto", "on", "off"] = "auto"
     # Size of the teacher's shared-memory ring (a sparse file in /dev/shm). It holds the samples in
-    # flight to same-host students and the spool files read ahead; a sample that finds no room goes
-    # to its student in frames (counted in shm_full, said once).
-    shm_bytes: int = Field(1 * GiB, gt=0)
+    # flight to same-host students and the spool files read ahead (on CUDA, with ring staging, every
+    # sample from the device until its student acks it); a sample that finds no room goes to its
+    # student in frames (counted in shm_full, said once). 2 GiB: two default credit windows
+    # (credit_bytes), one student's in flight plus as many queued for it (a 1 GiB ring missed half
+    # the samples of Qwen3-8B with 8 layers, 67 MB each, on an H100: BENCHMARKS.md).
+    shm_bytes: int = Field(2 * GiB, gt=0)
     shm_dir: str = "/dev/shm"
     # Payload checksum: computed once per sample on the producer's side, carried in the header and
     # the spool file, verified by every receiver (mismatch: rejected, counted, sent again).
