@@ -239,7 +239,10 @@ def parse_args(argv=None):
         "--shm-bytes", type=int, default=None, help="C/T: our shared-memory ring size (unset: the default)"
     )
     p.add_argument(
-        "--max-buffer-bytes", type=int, default=None, help="C/D/T: publisher memory bound (unset: the default)"
+        "--max-buffer-bytes",
+        type=int,
+        default=None,
+        help="C/D/T: publisher memory bound (unset: the default)",
     )
     p.add_argument("--credit-samples", type=int, default=None, help="receivers' credit (unset: the default)")
     p.add_argument("--connector-class", default="DistillHiddenStatesConnector")
