@@ -251,7 +251,7 @@ def _in_small_tmpfs(tmp_path, script: str, *args: str):
 
 
 def test_a_tmpfs_smaller_than_the_ring_sends_frames_instead_of_crashing(tmp_path):
-    """A container's /dev/shm is often 64 MB, smaller than the 1 GiB default ring. The ring file is
+    """A container's /dev/shm is often 64 MB, smaller than the 2 GiB default ring. The ring file is
     sparse, so without reserving pages the teacher's first write past the tmpfs's end is a SIGBUS.
     Here a real 8 MB tmpfs under a 64 MB ring: the samples that find no pages go in frames with the
     same bytes, the teacher says why once, the process exits 0, and once acked the reserved slots
