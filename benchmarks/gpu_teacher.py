@@ -15,7 +15,7 @@ Modes (name[:receivers][@repeats] on ``--modes``):
     C    our connector (teacher/connector/plugin.py) streaming to student-side receiver process(es)
          (``distill.transport.Subscriber``) on this host, ``transport.shm=auto`` (shared memory)
     C4   as C with ``pinned_buffers: 4`` (the old default: most copies take the synchronous path)
-    Cs   as C, serial copies: connector ``copy_threads: 1`` and 1 torch thread per receiver
+    Csc  as C, serial copies: connector ``copy_threads: 1`` and 1 torch thread per receiver
          (C: the connector's default 4 copy threads, ``--receiver-threads`` per receiver)
     C1   as C with 1 layer id (``--layers1``);  C8: as C with 8 layer ids (``--layers8``)
     D    as C over tcp with ``transport.shm=off``; ``D:4`` spreads the load over 4 receivers
@@ -141,7 +141,7 @@ MODES = {
     "B8": ("file", "layers8", None, {}),  # vLLM's file path with C8's layers: its own cost of 8 layers
     "C": ("ours", "layers", "auto", {}),
     "C4": ("ours", "layers", "auto", {"pinned_buffers": 4}),  # the first run's default
-    "Cs": ("ours", "layers", "auto", {"copy_threads": 1, "receiver_threads": 1}),  # serial copies
+    "Csc": ("ours", "layers", "auto", {"copy_threads": 1, "receiver_threads": 1}),  # serial copies
     "C1": ("ours", "layers1", "auto", {}),
     "C8": ("ours", "layers8", "auto", {}),
     "D": ("ours", "layers", "off", {}),
@@ -179,6 +179,7 @@ _LIB_TRANSPORT = {
     k: TransportConfig.model_fields[k].default for k in ("shm_bytes", "max_buffer_bytes", "credit_samples")
 }
 for _m in ("C", "C8", "D", "Dr", "D8r"):  # the ring of 1 GiB (the default until 2 GiB), side by side
+    assert _m + "s" not in MODES, _m + "s"  # (a mode of that name defined above would be replaced)
     _kind, _layers, _shm, _base = MODES[_m]
     MODES[_m + "s"] = (
         _kind,
