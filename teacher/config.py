@@ -80,6 +80,11 @@ class ConnectorTuning(Strict):
     # ring or pageable memory), in chunks; torch releases the GIL while copying. 1: one copy on
     # the sender thread. Shortens the time from a request's end to the student having it.
     copy_threads: int = Field(4, ge=1, le=64)
+    # Threads that place samples (wait for a sample's copy, hash it, hand it to the Publisher,
+    # which writes a spool file when memory is full or no student takes it): each takes the next
+    # sample of the queue, so a slow spool write does not hold the samples behind it. 1: one
+    # sender, samples handed over in the order their requests finished.
+    sender_threads: int = Field(1, ge=1, le=16)
     # The most the connector stages at once for one sample, in bytes: its pinned host buffer (CUDA)
     # and the rows it gathers off the cache in one step (with fp8 also their float32 work copies).
     # A longer sample is copied in pieces of at most half of it (one piece copied out while the next

