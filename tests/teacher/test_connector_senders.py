@@ -15,7 +15,7 @@ N = 24
 ROWS, LAYERS, HIDDEN = 16, 2, 256  # 32 KiB of hidden states a sample
 
 
-def _connector(tmp_path, sender_threads: int):
+def _connector(tmp_path, sender_threads: int, spool_max_bytes: int = 0, drain_timeout_s: float = 5):
     from distill.config import SpoolConfig, TransportConfig
     from distill.transport import Publisher
     from teacher.config import ConnectorConfig
@@ -30,10 +30,10 @@ def _connector(tmp_path, sender_threads: int):
     conn = DistillHiddenStatesConnector.__new__(DistillHiddenStatesConnector)  # no engine needed
     conn.cfg = ConnectorConfig(
         transport=tcfg,
-        spool=SpoolConfig(dir=str(tmp_path / "spool")),
+        spool=SpoolConfig(dir=str(tmp_path / "spool"), max_bytes=spool_max_bytes),
         sender_threads=sender_threads,
         copy_threads=1,
-        drain_timeout_s=5,
+        drain_timeout_s=drain_timeout_s,
     )
     conn.layer_ids = list(range(1, LAYERS + 1))
     conn._closed, conn._deferred, conn._stats = False, [], None
@@ -115,3 +115,38 @@ def test_several_senders_write_spool_files_at_once_and_every_sample_arrives_once
     assert len(got) == len(set(got)), "a sample arrived twice"
     assert not any(t.is_alive() for t in conn._senders)
     assert pub.stats()["acked"] == N
+
+
+def test_several_senders_waiting_for_spool_room_with_no_student_let_go_at_shutdown(tmp_path):
+    """Three senders, memory for two samples, a spool budget of one file and no student: the
+    senders block in `submit` waiting for room. The connector's shutdown gives them
+    drain_timeout_s, then lets every one of them go: it ends by itself, every sender thread is
+    gone, and each of the 24 samples is counted once, placed (memory or the spool file) or left
+    unplaced (not committed: a next run generates it), none as an error."""
+    import torch
+
+    from teacher.connector.parts import SampleInfo, SendJob
+
+    conn, _ = _connector(tmp_path, 3, spool_max_bytes=1, drain_timeout_s=1)
+    pub = conn._publisher
+    conn._start_senders()
+    for i in range(N):
+        key = f"k{i:02d}"
+        hs = torch.full((ROWS, LAYERS, HIDDEN), float(i))
+        info = SampleInfo(key=key, meta={}, path=str(tmp_path / "spool" / key))
+        conn._queue.put(SendJob(f"req-{i}", info, torch.arange(ROWS), hs, None, None, None))
+    # the three senders each hold a sample they cannot place: the spool is full
+    assert wait_until(lambda: pub.spool_full_wait_s() > 0 and conn._queue.qsize() == N - 6, 30), (
+        conn._placed,
+        conn._queue.qsize(),
+        pub.stats(),
+    )
+    assert conn._placed["stream"] + conn._placed["spool"] == 3, conn._placed
+    done = threading.Thread(target=conn.shutdown)
+    done.start()
+    done.join(60)
+    assert not done.is_alive(), "the connector's shutdown did not end with the spool full"
+    assert not any(t.is_alive() for t in conn._senders)
+    p = conn._placed
+    assert p["errors"] == 0, p
+    assert p["stream"] + p["spool"] + p["unplaced"] == N and p["unplaced"] == N - 3, p
