@@ -607,6 +607,11 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             for k, v in seconds.items():
                 setattr(self._timing, k, getattr(self._timing, k) + v)
 
+    def _stamp(self, name: str) -> None:
+        """(Sender threads) `_timing.<name>` = now, if later than what another sender wrote."""
+        with self._count_lock:
+            setattr(self._timing, name, max(getattr(self._timing, name), time.monotonic()))
+
     def _send_loop(self) -> None:
         """Sender thread (teacher.sender_threads of them): take the next job, wait for its copy,
         build the Sample, place it (stream or spool)."""
@@ -646,7 +651,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if job.copy_start is not None:
                 self._count(d2h_s=job.copy_start.elapsed_time(job.copy_done) / 1000)
         if job.pieces is None:
-            self._timing.last_on_host_t = time.monotonic()  # (pieces: once the last is copied)
+            self._stamp("last_on_host_t")  # (pieces: once the last is copied)
         # Names in sorted order: a spool file lists its tensors so, and its digest covers them in
         # the order the producer had them (the same order, then).
         tensors = {"hidden_states": hs}
@@ -685,7 +690,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             if job.pieces is not None:  # (a failure stops the engine: the slot is not given back)
                 job.pieces.run([tensors[k] for k in tensors if k in _STAGED], copy=self._copy)
                 self._note_staging(job.pieces.peak)
-                self._timing.last_on_host_t = time.monotonic()
+                self._stamp("last_on_host_t")
             if job.staging is not None:
                 self._pinned.give(job.staging)
             self._count(copy_s=time.perf_counter() - t0)
@@ -721,7 +726,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             t0 = time.perf_counter()
             where = self._publisher.submit(sample, slot=slot)
             self._count(submit_s=time.perf_counter() - t0)
-        self._timing.last_placed_t = time.monotonic()
+        self._stamp("last_placed_t")
         if where.startswith("stream:"):
             self._count("stream")
             if job.lock_fd is not None:
