@@ -751,18 +751,26 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
         return parallel_digest(self._copy_pool, self.cfg.copy_threads, tensors)
 
     def _join_sender(self) -> None:
-        """Wait for the sender threads to place every queued sample. A sender that waits for spool
-        room (spool.max_bytes full) while no student takes samples gets drain_timeout_s; then it
-        stops waiting and what is still held is left unplaced (not committed: the next run
-        generates those keys), said in one line, instead of holding vLLM's shutdown until vLLM
-        kills the worker."""
+        """Stop the sender threads once they placed every queued sample: one stop mark each, put
+        as the queue has room (a full queue behind senders that wait does not block this). A
+        sender that waits for spool room (spool.max_bytes full) while no student takes samples
+        gets drain_timeout_s; then it stops waiting and what is still held is left unplaced (not
+        committed: the next run generates those keys), said in one line, instead of holding vLLM's
+        shutdown until vLLM kills the worker."""
         pub = self._publisher
+        stops = len(self._senders)
         while True:
+            while stops:
+                try:
+                    self._queue.put(_STOP, timeout=0.05)
+                except queue.Full:
+                    break
+                stops -= 1
             alive = [t for t in self._senders if t.is_alive()]
             if not alive:
                 return
-            alive[0].join(0.1)
-            if pub is None or pub.spool_full_wait_s() <= self.cfg.drain_timeout_s:
+            alive[0].join(0.05)
+            if self._abandon or pub is None or pub.spool_full_wait_s() <= self.cfg.drain_timeout_s:
                 continue
             if pub.stats().get("students"):
                 continue  # a student may still take samples and make room
@@ -774,10 +782,7 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
                 "at shutdown are not placed (not committed: the next run generates them)",
                 queued + len(alive),  # the queued ones + those waiting for room (one per sender)
             )
-            pub.stop_waiting_for_room()
-            for t in self._senders:
-                t.join()
-            return
+            pub.stop_waiting_for_room()  # the senders drop the rest; their stop marks go in
 
     def shutdown(self):
         if self._closed:
@@ -794,8 +799,6 @@ class DistillHiddenStatesConnector(_ref.ExampleHiddenStatesConnector):
             except Exception:  # the cache may be gone: those keys are generated again next run
                 logger.exception("distill: could not copy %d deferred samples", len(self._deferred) + 1)
         if self._senders:
-            for _ in self._senders:
-                self._queue.put(_STOP)
             self._join_sender()
         if self._ring_host is not None:  # no copy into the ring is left; the Publisher still reads it
             self._ring_host.close()

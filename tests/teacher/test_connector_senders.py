@@ -15,7 +15,13 @@ N = 24
 ROWS, LAYERS, HIDDEN = 16, 2, 256  # 32 KiB of hidden states a sample
 
 
-def _connector(tmp_path, sender_threads: int, spool_max_bytes: int = 0, drain_timeout_s: float = 5):
+def _connector(
+    tmp_path,
+    sender_threads: int,
+    spool_max_bytes: int = 0,
+    drain_timeout_s: float = 5,
+    queue_samples: int = 64,
+):
     from distill.config import SpoolConfig, TransportConfig
     from distill.transport import Publisher
     from teacher.config import ConnectorConfig
@@ -34,6 +40,7 @@ def _connector(tmp_path, sender_threads: int, spool_max_bytes: int = 0, drain_ti
         sender_threads=sender_threads,
         copy_threads=1,
         drain_timeout_s=drain_timeout_s,
+        queue_samples=queue_samples,
     )
     conn.layer_ids = list(range(1, LAYERS + 1))
     conn._closed, conn._deferred, conn._stats = False, [], None
@@ -117,26 +124,40 @@ def test_several_senders_write_spool_files_at_once_and_every_sample_arrives_once
     assert pub.stats()["acked"] == N
 
 
-def test_several_senders_waiting_for_spool_room_with_no_student_let_go_at_shutdown(tmp_path):
-    """Three senders, memory for two samples, a spool budget of one file and no student: the
-    senders block in `submit` waiting for room. The connector's shutdown gives them
-    drain_timeout_s, then lets every one of them go: it ends by itself, every sender thread is
-    gone, and each of the 24 samples is counted once, placed (memory or the spool file) or left
-    unplaced (not committed: a next run generates it), none as an error."""
+@pytest.mark.parametrize(
+    ("sender_threads", "queue_samples"),
+    [(3, 64), (1, 4), (3, 4)],
+    ids=["3-senders", "1-full-queue", "3-full-queue"],
+)
+def test_senders_waiting_for_spool_room_with_no_student_are_let_go_at_shutdown(
+    tmp_path, sender_threads, queue_samples
+):
+    """Memory for two samples, a spool budget of one file and no student: the senders block in
+    `submit` waiting for room, and behind them the queue holds the rest (full: `queue_samples`
+    samples, with the engine thread's next put waiting). The connector's shutdown gives them
+    drain_timeout_s, then lets every one of them go: it ends by itself (its stop marks wait for
+    room in the queue instead of blocking on it), every sender thread is gone, and each sample is
+    counted once, placed (memory or the spool file) or left unplaced (not committed: a next run
+    generates it), none as an error."""
     import torch
 
     from teacher.connector.parts import SampleInfo, SendJob
 
-    conn, _ = _connector(tmp_path, 3, spool_max_bytes=1, drain_timeout_s=1)
+    conn, _ = _connector(
+        tmp_path, sender_threads, spool_max_bytes=1, drain_timeout_s=1, queue_samples=queue_samples
+    )
     pub = conn._publisher
     conn._start_senders()
-    for i in range(N):
+    n = min(N, 3 + sender_threads + queue_samples)  # placed + held by the senders + a full queue
+    for i in range(n):
         key = f"k{i:02d}"
         hs = torch.full((ROWS, LAYERS, HIDDEN), float(i))
         info = SampleInfo(key=key, meta={}, path=str(tmp_path / "spool" / key))
         conn._queue.put(SendJob(f"req-{i}", info, torch.arange(ROWS), hs, None, None, None))
-    # the three senders each hold a sample they cannot place: the spool is full
-    assert wait_until(lambda: pub.spool_full_wait_s() > 0 and conn._queue.qsize() == N - 6, 30), (
+    # each sender holds a sample it cannot place: the spool is full
+    assert wait_until(
+        lambda: pub.spool_full_wait_s() > 0 and conn._queue.qsize() == n - 3 - sender_threads, 30
+    ), (
         conn._placed,
         conn._queue.qsize(),
         pub.stats(),
@@ -149,4 +170,4 @@ def test_several_senders_waiting_for_spool_room_with_no_student_let_go_at_shutdo
     assert not any(t.is_alive() for t in conn._senders)
     p = conn._placed
     assert p["errors"] == 0, p
-    assert p["stream"] + p["spool"] + p["unplaced"] == N and p["unplaced"] == N - 3, p
+    assert p["stream"] + p["spool"] + p["unplaced"] == n and p["unplaced"] == n - 3, p
