@@ -49,8 +49,9 @@ Modes (name[:receivers][@repeats] on ``--modes``):
          quarter of the host's cores, 1 to 4)
     Cs, C8s, Ds, Drs, D8rs  as C, C8, D, Dr, D8r with a 1 GiB ring (``transport.shm_bytes``; the
          default is 2 GiB)
-    C8w, D8w, D8lw, D8rlw  as C8, D8, D8l, D8rl with ``sender_threads: 4`` (four threads place
-         samples: a spool write does not hold the samples behind it)
+    Cw, C8w, Dw, D8w, D8lw, D8rlw, C_fp8w, C_loss_maskw  as C, C8, D, D8, D8l, D8rl, C_fp8,
+         C_loss_mask with ``sender_threads: 4`` (four threads place samples: a spool write does not
+         hold the samples behind it)
     Dc, D8c  as D, and D with C8's layers, with ``transport.chunk_bytes`` 1 MiB (tensors in 1 MiB
          frames, joined by the receiver: the default with CURVE)
     C_fp8 as C with ``hidden_dtype: fp8`` (float8 e4m3 + per-token scales on the wire; the
@@ -202,9 +203,6 @@ for _m in ("C", "C8", "D", "D8", "Dr", "D8r"):  # one connection per receiver, o
             "receiver_transport": {**_base.get("receiver_transport", {}), "connections": 1},
         },
     )
-for _m in ("C8", "D8", "D8l", "D8rl"):  # teacher.sender_threads: 4 (spool writes side by side)
-    _kind, _layers, _shm, _base = MODES[_m]
-    MODES[_m + "w"] = (_kind, _layers, _shm, {**_base, "sender_threads": 4})
 MODES["Dc"] = ("ours", "layers", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["D8c"] = ("ours", "layers8", "off", {"transport": {"chunk_bytes": 1 << 20}})
 MODES["C_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8"})  # teacher.hidden_dtype: fp8
@@ -213,6 +211,9 @@ MODES["Ct_fp8"] = ("ours", "layers", "auto", {"hidden_dtype": "fp8", "transport"
 MODES["C_pieces"] = ("ours", "layers", "auto", {"staging_bytes": 16 << 20})
 # teacher.capture: loss_mask with half of every prompt masked (chat_mask: the benchmark's own flag)
 MODES["C_loss_mask"] = ("ours", "layers", "auto", {"capture": "loss_mask", "chat_mask": True})
+for _m in ("C", "C8", "D", "D8", "D8l", "D8rl", "C_fp8", "C_loss_mask"):  # teacher.sender_threads: 4
+    _kind, _layers, _shm, _base = MODES[_m]
+    MODES[_m + "w"] = (_kind, _layers, _shm, {**_base, "sender_threads": 4})
 DEFAULT_MODES = "A,B,C,C8,D,C_fp8,C_loss_mask"
 
 
