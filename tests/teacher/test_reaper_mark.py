@@ -29,6 +29,14 @@ time.sleep(600)
 """
 
 
+def _ancestors(proc: psutil.Process) -> list[int] | None:
+    """The pids above `proc`, or None when one of them exited while they were read (look again)."""
+    try:
+        return [p.pid for p in proc.parents()]
+    except psutil.NoSuchProcess:
+        return None
+
+
 def test_an_orphan_the_reaper_never_saw_dies_with_the_teacher(tmp_path):
     from teacher.reaper import MARK
 
@@ -42,7 +50,7 @@ def test_an_orphan_the_reaper_never_saw_dies_with_the_teacher(tmp_path):
         assert wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=60)
         orphan = psutil.Process(int(pidfile.read_text()))
         # once its parent has exited it is no descendant of the teacher
-        assert wait_until(lambda: teacher.pid not in [p.pid for p in orphan.parents()], timeout=10)
+        assert wait_until(lambda: (a := _ancestors(orphan)) is not None and teacher.pid not in a, timeout=10)
         time.sleep(0.6)  # a couple of the reaper's looks: it still sees nothing of the orphan
         (reaper,) = [c for c in psutil.Process(teacher.pid).children() if "teacher.reaper" in c.cmdline()]
         teacher.send_signal(signal.SIGKILL)
